@@ -1,0 +1,1 @@
+"""CacheBlend engine: model loading, prompt layout, chunk KV precompute, blending and decoding."""

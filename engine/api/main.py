@@ -1,0 +1,82 @@
+"""The engine service app: loads the model and the KV store at startup, serves the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from engine.api.routes import generate, health, precompute
+from engine.engine import Engine
+from engine.metrics import EngineMetrics
+from engine.model import load_model
+from engine.settings import GIB, EngineSettings
+from kvstore.store import KVStore, KVStoreConfig
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(settings: EngineSettings) -> Engine:
+    loaded = load_model(settings.model, device=settings.device, dtype=settings.torch_dtype_name)
+    store = KVStore(
+        KVStoreConfig(
+            model_fingerprint=loaded.fingerprint,
+            memory_budget_bytes=int(settings.memory_budget_gb * GIB),
+            ssd_path=settings.store_path,
+            ssd_budget_bytes=int(settings.ssd_budget_gb * GIB),
+            pin_memory=settings.device == "cuda",
+            lookahead=settings.lookahead,
+        )
+    )
+    return Engine(
+        loaded,
+        store,
+        check_layers=tuple(settings.check_layers),
+        recompute_ratio=settings.recompute_ratio,
+        min_recompute_ratio=settings.min_recompute_ratio,
+        system_prompt=settings.system_prompt,
+        max_waiting=settings.queue_depth,
+    )
+
+
+def create_app(settings: EngineSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = await asyncio.to_thread(build_engine, settings)
+        app.state.engine = engine
+        app.state.metrics = EngineMetrics(engine)
+        log.info("engine ready: %s on %s", settings.model, settings.device)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.close)
+            await asyncio.to_thread(engine.store.close)
+
+    app = FastAPI(title="ragblend engine", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = None
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 whose `detail` is one readable line per problem, naming the field."""
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+            for e in exc.errors()
+        ]
+        return JSONResponse(
+            status_code=422,
+            content={"detail": "; ".join(problems), "errors": jsonable(exc.errors())},
+        )
+
+    app.include_router(generate.router)
+    app.include_router(precompute.router)
+    app.include_router(health.router)
+    return app
+
+
+def jsonable(errors: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]

@@ -1,0 +1,96 @@
+"""POST /v1/generate: JSON, or an SSE stream of token deltas ending in the full result."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import StreamingResponse
+
+from engine.api.deps import EngineDep, MetricsDep, SettingsDep
+from engine.api.schemas import GenerateBody, GenerateResponse
+from engine.errors import GenerationCancelled
+from engine.streaming import Generation
+from engine.types import GenerateResult, Mode
+from engine.worker import QueueFullError
+
+router = APIRouter()
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = "1"
+
+
+def sse(event: str, payload: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(payload)}\n\n"
+
+
+@router.post("/v1/generate", response_model=GenerateResponse)
+async def generate(
+    body: GenerateBody, http: Request, engine: EngineDep, metrics: MetricsDep, settings: SettingsDep
+):
+    if body.max_tokens > settings.max_tokens_limit:
+        raise HTTPException(
+            422,
+            detail=f"max_tokens: {body.max_tokens} is above the limit of "
+            f"{settings.max_tokens_limit}",
+        )
+    try:
+        request = body.to_request()
+        engine.layout(request)  # prompt-length errors become a 422 before queueing
+        generation = engine.start(request)
+    except QueueFullError as exc:
+        metrics.errors.labels("queue_full").inc()
+        raise HTTPException(
+            429, detail=f"engine busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
+        ) from exc
+    except ValueError as exc:
+        raise HTTPException(422, detail=str(exc)) from exc
+
+    if body.stream:
+        return StreamingResponse(
+            _stream(generation, request.mode, metrics),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    result = await _until_done_or_disconnect(generation, http)
+    metrics.observe(request.mode, result)
+    return GenerateResponse.from_result(result)
+
+
+async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[str]:
+    """Deltas as `event: delta`, then `event: result`; a disconnect cancels the generation."""
+    try:
+        async for event in generation:
+            if isinstance(event, GenerateResult):
+                metrics.observe(mode, event)
+                yield sse("result", GenerateResponse.from_result(event).model_dump())
+            elif event.text:
+                yield sse("delta", {"text": event.text})
+    except Exception as exc:
+        log.exception("generation failed")
+        metrics.errors.labels("generation").inc()
+        yield sse("error", {"detail": f"generation failed: {exc}"})
+    finally:
+        generation.cancel()
+
+
+async def _until_done_or_disconnect(generation: Generation, http: Request) -> GenerateResult:
+    async def result() -> GenerateResult:
+        async for event in generation:
+            if isinstance(event, GenerateResult):
+                return event
+        raise AssertionError("the generation ended without a result")
+
+    task = asyncio.ensure_future(result())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await http.is_disconnected():
+                generation.cancel()
+                task.cancel()
+                raise HTTPException(499, detail="client disconnected")
+        return task.result()
+    except GenerationCancelled as exc:
+        raise HTTPException(499, detail="client disconnected") from exc

@@ -1,0 +1,222 @@
+"""Train the demo model: a BPE tokenizer and a small Llama on engine-laid-out prompts.
+
+    python -m engine.demo.train --out engine/demo/model --steps 3000 --seed 0
+
+Prompts are built by the engine's own PromptBuilder (prefix | passages | question), so the model
+sees at training time exactly the token layout the engine gives it; the loss is on the answer
+tokens and the EOS after them only. Training uses full-prefill prompts only, never blended caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine.demo.corpus import KINDS, CorpusGenerator, Example
+from engine.prompt import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
+
+log = logging.getLogger("engine.demo.train")
+
+# Validation uses its own seed; bench/quality.py's held-out seed is different again.
+VALIDATION_SEED = 999
+# Kind weights: the context and multi-hop questions are the hard ones.
+TRAIN_WEIGHTS = (1.0, 1.2, 1.4)
+
+
+def build_tokenizer(seed: int, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over generated passages and questions. Newlines are split off first so
+    that every word carries its leading space wherever it stands (a name is the same tokens at
+    the start of a passage, after a newline, and in a question)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.ByteLevel(add_prefix_space=True)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    generator = CorpusGenerator(seed + 7)
+    frame = f"{DEFAULT_SYSTEM_PROMPT}\n{INSTRUCTION}\n\nQuestion: \nAnswer:"
+    texts = [frame] * 200
+    for example in generator.examples(20_000):
+        texts.extend(example.passages)
+        texts.append(f"Question: {example.question}\nAnswer: {example.answer}")
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def model_config(vocab_size: int, tokenizer: PreTrainedTokenizerFast, args) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def encode(builder: PromptBuilder, example: Example) -> tuple[list[int], int]:
+    """Token ids of prompt + answer + EOS, and where the answer starts."""
+    layout = builder.build(example.question, example.passages)
+    answer = list(builder.encode(example.answer)) + [builder.tokenizer.eos_token_id]
+    return list(layout.token_ids) + answer, layout.num_tokens
+
+
+def collate(rows: list[tuple[list[int], int]], pad_id: int):
+    """input_ids [B, T], attention_mask [B, T], next-token targets [B, T] (-100: no loss) and
+    a [B, T] mask of the answer positions (the logit at p-1 predicts the token at p)."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    targets = torch.full((len(rows), width), -100, dtype=torch.long)
+    is_answer = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, (ids, answer_start) in enumerate(rows):
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        mask[b, : len(ids)] = 1
+        targets[b, : len(ids) - 1] = torch.tensor(ids[1:])
+        is_answer[b, answer_start - 1 : len(ids) - 1] = True
+    return input_ids, mask, targets, is_answer
+
+
+def losses(model: LlamaForCausalLM, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Answer loss, auxiliary next-token loss on the rest of the prompt, and answer logits."""
+    input_ids, mask, targets, is_answer = batch
+    logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
+    answer_logits = logits[is_answer]
+    answer_loss = F.cross_entropy(answer_logits, targets[is_answer])
+    rest = targets.masked_fill(is_answer, -100)
+    rest_loss = F.cross_entropy(logits.flatten(0, 1), rest.flatten(), ignore_index=-100)
+    return answer_loss, rest_loss, answer_logits
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(model, builder, examples: list[Example]) -> dict[str, float]:
+    """Share of examples whose every answer token (and EOS) is the argmax: greedy exact match."""
+    model.eval()
+    hits = {kind: [0, 0] for kind in KINDS}
+    for start in range(0, len(examples), 32):
+        part = examples[start : start + 32]
+        batch = collate([encode(builder, e) for e in part], builder.tokenizer.pad_token_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, _, logits = losses(model, batch)
+        correct = logits.argmax(-1) == batch[2][batch[3]]
+        rows = batch[3].nonzero()[:, 0]
+        for b, example in enumerate(part):
+            hits[example.kind][0] += bool(correct[rows == b].all())
+            hits[example.kind][1] += 1
+    model.train()
+    return {kind: h / max(n, 1) for kind, (h, n) in hits.items()}
+
+
+def learning_rate(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def save(model, tokenizer, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    copy = LlamaForCausalLM(model.config)
+    copy.load_state_dict(model.state_dict())
+    copy.to(torch.bfloat16)
+    copy.generation_config.eos_token_id = tokenizer.eos_token_id
+    copy.generation_config.pad_token_id = tokenizer.pad_token_id
+    copy.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--minutes", type=float, default=60.0, help="stop early past this")
+    parser.add_argument("--batch", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=150)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=1536)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=640)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--aux-weight", type=float, default=0.1)
+    parser.add_argument("--eval-every", type=int, default=250)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer = build_tokenizer(args.seed, args.vocab)
+    builder = PromptBuilder(tokenizer)
+    model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
+    log.info("model: %.2fM parameters, vocab %d", model.num_parameters() / 1e6, len(tokenizer))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
+    )
+    generator = CorpusGenerator(args.seed)
+    validation = [
+        CorpusGenerator(VALIDATION_SEED).example(KINDS[i % 3]) for i in range(240)
+    ]
+
+    started = time.monotonic()
+    model.train()
+    running = 0.0
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
+        examples = list(generator.examples(args.batch, TRAIN_WEIGHTS))
+        batch = collate([encode(builder, e) for e in examples], tokenizer.pad_token_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            answer_loss, rest_loss, _ = losses(model, batch)
+        # The small auxiliary loss on the prompt (names repeat in passages and questions) grows
+        # the copying heads sooner; the answer loss is what the model is for.
+        loss = answer_loss + args.aux_weight * rest_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running = 0.98 * running + 0.02 * answer_loss.item() if step else answer_loss.item()
+        elapsed_min = (time.monotonic() - started) / 60
+        if step % 50 == 0:
+            log.info("step %d loss %.4f lr %.2e %.1f min", step, running,
+                     optimizer.param_groups[0]["lr"], elapsed_min)  # fmt: skip
+        last = step == args.steps - 1 or elapsed_min > args.minutes
+        if (step + 1) % args.eval_every == 0 or last:
+            accuracy = teacher_forced_accuracy(model, builder, validation)
+            log.info("step %d validation exact match %s", step,
+                     {k: round(v, 3) for k, v in accuracy.items()})  # fmt: skip
+            save(model, tokenizer, args.out)
+        if last:
+            break
+    log.info("done: %d steps in %.1f min; saved to %s", step + 1,
+             (time.monotonic() - started) / 60, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

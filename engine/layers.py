@@ -1,0 +1,163 @@
+"""The per-layer tensor operations of a Llama-family decoder, applied to any subset of tokens.
+
+Built on the Hugging Face modules themselves (norms, projections, rotary embedding, MLP), so
+q/k norms, qkv bias and scaled RoPE behave exactly as in the model's own forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+# Queries per attention call when only some positions are computed.
+ATTENTION_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+
+class LayerRunner:
+    """Runs embedding, decoder layers and the LM head of one loaded model on token subsets.
+
+    Shapes: hidden h [n, d]; q [H, n, D]; k, v [H_kv, n, D]; caches [H_kv, T, D].
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        config = model.config
+        attn = self.layers[0].self_attn
+        self.shape = AttentionShape(
+            num_layers=len(self.layers),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=attn.head_dim,
+            hidden_size=config.hidden_size,
+        )
+        self.windows = [self._sliding_window(layer.self_attn) for layer in self.layers]
+        # The family's own rotate_half keeps RoPE conventions (and any future variant) in one place.
+        self._rotate_half = sys.modules[type(attn).__module__].rotate_half
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+
+    def _sliding_window(self, attn: torch.nn.Module) -> int | None:
+        config = self.model.config
+        if config.model_type == "mistral":
+            return getattr(config, "sliding_window", None)
+        return getattr(attn, "sliding_window", None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(token_ids)
+
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, D] for positions 0..T-1, from the model's own rotary embedding."""
+        positions = torch.arange(num_positions, device=self.device)[None]
+        probe = torch.empty(1, dtype=self.dtype, device=self.device)
+        cos, sin = self.decoder.rotary_emb(probe, positions)
+        return cos[0], sin[0]
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE to x [heads, n, D] at the positions whose cos/sin [n, D] are given."""
+        return x * cos + self._rotate_half(x) * sin
+
+    def project_qkv(
+        self, index: int, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [H, n, D], pre-RoPE k [H_kv, n, D] and v [H_kv, n, D] of layer `index`."""
+        layer = self.layers[index]
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        n, head_dim = x.shape[0], self.shape.head_dim
+        q = attn.q_proj(x).view(n, -1, head_dim)
+        k = attn.k_proj(x).view(n, -1, head_dim)
+        v = attn.v_proj(x).view(n, -1, head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def attention_blocks(self, query_positions: list[int]) -> list[tuple[int, int, int]]:
+        """Split sorted query positions into blocks (first query, end query, keys needed).
+
+        A block of queries whose last position is p needs only keys 0..p, so attention over
+        blocks skips most of what a causal kernel skips, also for scattered queries.
+        """
+        num = len(query_positions)
+        return [
+            (
+                start,
+                min(start + ATTENTION_BLOCK, num),
+                query_positions[min(start + ATTENTION_BLOCK, num) - 1] + 1,
+            )
+            for start in range(0, num, ATTENTION_BLOCK)
+        ]
+
+    def attend(
+        self,
+        index: int,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query_positions: torch.Tensor,
+        blocks: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        """Attention of rotated q [H, n, D] over keys/values [H_kv, T, D] -> [n, H*D].
+
+        `query_positions` are sorted and unique, `blocks` from attention_blocks(). A query at
+        position p sees exactly the keys at positions <= p (and inside the sliding window, if
+        the layer has one); when every position is a query, that is the plain causal kernel.
+        """
+        window = self.windows[index]
+        scale = self.layers[index].self_attn.scaling
+        num_keys = keys.shape[1]
+        if q.shape[1] == num_keys and (window is None or num_keys <= window):
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], is_causal=True, scale=scale, enable_gqa=True
+            )[0]
+        else:
+            parts = []
+            for start, end, key_end in blocks:
+                positions = query_positions[start:end, None]
+                key_positions = torch.arange(key_end, device=q.device)[None, :]
+                mask = key_positions <= positions
+                if window is not None:
+                    mask &= key_positions > positions - window
+                parts.append(
+                    F.scaled_dot_product_attention(
+                        q[None, :, start:end],
+                        keys[None, :, :key_end],
+                        values[None, :, :key_end],
+                        attn_mask=mask,
+                        scale=scale,
+                        enable_gqa=True,
+                    )[0]
+                )
+            out = torch.cat(parts, dim=1)
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+    def finish_layer(self, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP block of layer `index`."""
+        layer = self.layers[index]
+        h = h + layer.self_attn.o_proj(attn_out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] (float32) of one hidden state [d]."""
+        return self.model.lm_head(self.decoder.norm(h_last[None]))[0].float()

@@ -1,0 +1,163 @@
+"""Prometheus metrics of the engine service (`ragblend_engine_*`), one registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from engine.types import GenerateResult, Mode
+from engine.worker import Priority
+
+# vLLM's time-to-first-token buckets.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class EngineMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ragblend_engine_requests",
+            "Generations finished, by mode and finish reason",
+            ["mode", "finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ragblend_engine_ttft_seconds",
+            "Time to first token, by mode",
+            ["mode"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.kv_load_seconds = Histogram(
+            "ragblend_engine_kv_load_seconds",
+            "Time spent loading chunk KV per request, by tier",
+            ["tier"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.kv_load_bytes = Counter(
+            "ragblend_engine_kv_load_bytes", "Chunk KV bytes loaded, by tier", ["tier"], registry=r
+        )
+        self.kv_lookups = Counter(
+            "ragblend_engine_kv_lookups",
+            "Chunk KV lookups, by tier and result",
+            ["tier", "result"],
+            registry=r,
+        )
+        self.recomputed_tokens = Counter(
+            "ragblend_engine_recomputed_tokens",
+            "Chunk tokens whose KV was computed for a request",
+            registry=r,
+        )
+        self.reused_tokens = Counter(
+            "ragblend_engine_reused_tokens",
+            "Prompt tokens whose KV came from a cache unchanged",
+            registry=r,
+        )
+        self.prompt_tokens = Counter("ragblend_engine_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "ragblend_engine_generation_tokens", "Generated tokens", registry=r
+        )
+        self.recompute_ratio = Histogram(
+            "ragblend_engine_recompute_ratio",
+            "Recompute ratio used by cacheblend requests",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.overlap = Histogram(
+            "ragblend_engine_pipeline_overlap_ratio",
+            "Fraction of KV load time hidden behind compute",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+            registry=r,
+        )
+        self.precomputed_chunks = Counter(
+            "ragblend_engine_precomputed_chunks",
+            "Chunks precomputed, by result",
+            ["result"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "ragblend_engine_errors", "Failed requests, by kind", ["kind"], registry=r
+        )
+        r.register(_LiveState(engine))
+
+    def observe(self, mode: Mode, result: GenerateResult) -> None:
+        self.requests.labels(mode.value, result.finish_reason).inc()
+        self.ttft.labels(mode.value).observe(result.timings.ttft_s)
+        usage = result.usage
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.recomputed_tokens.inc(usage.recomputed_tokens)
+        self.reused_tokens.inc(usage.cached_tokens)
+        if mode is Mode.CACHEBLEND:
+            self.recompute_ratio.observe(result.blend.recompute_ratio)
+        for tier, num_bytes in result.load_bytes_by_tier.items():
+            self.kv_load_bytes.labels(tier).inc(num_bytes)
+        if result.load_bytes_by_tier:
+            self.overlap.observe(result.timings.overlap)
+            self.kv_load_seconds.labels(
+                max(result.load_bytes_by_tier, key=result.load_bytes_by_tier.get)
+            ).observe(result.timings.kv_load_s)
+        for tier in result.chunk_tiers:
+            self.kv_lookups.labels("memory", "hit" if tier == "memory" else "miss").inc()
+            if tier != "memory":
+                self.kv_lookups.labels("ssd", "hit" if tier == "ssd" else "miss").inc()
+
+
+class _LiveState:
+    """Gauges read at scrape time: queue, running work and store occupancy."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        worker = self.engine.worker
+        running = GaugeMetricFamily("ragblend_engine_requests_running", "Generations running")
+        running.add_metric([], 1.0 if worker.running is Priority.GENERATE else 0.0)
+        waiting = GaugeMetricFamily("ragblend_engine_requests_waiting", "Generations waiting")
+        waiting.add_metric([], worker.waiting_generations)
+        background = GaugeMetricFamily(
+            "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
+        )
+        background.add_metric([], worker.waiting_background)
+        stats = self.engine.store.stats()
+        entries = GaugeMetricFamily(
+            "ragblend_engine_store_entries", "KV entries by tier", labels=["tier"]
+        )
+        size = GaugeMetricFamily("ragblend_engine_store_bytes", "KV bytes by tier", labels=["tier"])
+        corrupt = GaugeMetricFamily(
+            "ragblend_engine_store_corrupt_entries",
+            "Bad KV entries found (deleted, recomputed), by tier",
+            labels=["tier"],
+        )
+        for name, tier in (("memory", stats.memory), ("ssd", stats.ssd)):
+            if tier is not None:
+                entries.add_metric([name], tier.entries)
+                size.add_metric([name], tier.bytes)
+                corrupt.add_metric([name], tier.corrupt)
+        yield from (running, waiting, background, entries, size, corrupt)

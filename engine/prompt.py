@@ -1,0 +1,88 @@
+"""Prompt layout `prefix | chunk_1 | ... | chunk_n | suffix` and the chunk-precompute prefix.
+
+Every chunk is tokenized on its own, so its tokens (and hence its KV key) do not depend on its
+neighbours or its position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+INSTRUCTION = "Answer the question using the passages below."
+CHUNK_SEPARATOR = "\n\n"
+_PASSAGES_SLOT = "\u2063RAGBLEND_PASSAGES\u2063"
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    prefix: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    suffix: tuple[int, ...]
+
+    @cached_property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.prefix + sum(self.chunks, ()) + self.suffix
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @cached_property
+    def chunk_spans(self) -> tuple[tuple[int, int], ...]:
+        """(start position, length) of each chunk in the whole prompt."""
+        spans, start = [], len(self.prefix)
+        for chunk in self.chunks:
+            spans.append((start, len(chunk)))
+            start += len(chunk)
+        return tuple(spans)
+
+
+class PromptBuilder:
+    """Lays out prompts with the tokenizer's chat template, or a plain template without one."""
+
+    def __init__(self, tokenizer, default_system: str = DEFAULT_SYSTEM_PROMPT):
+        self.tokenizer = tokenizer
+        self.default_system = default_system
+        self.uses_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        boundary = tokenizer.bos_token_id
+        if boundary is None:
+            # Tokenizers without BOS (Qwen) still need one fixed token before every chunk.
+            boundary = tokenizer.eos_token_id
+        if boundary is None:
+            raise ValueError(
+                "the tokenizer has neither a BOS nor an EOS token to start chunks with"
+            )
+        self.chunk_prefix: tuple[int, ...] = (boundary,)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def chunk_tokens(self, text: str) -> tuple[int, ...]:
+        """The tokens of one chunk as it appears in every prompt (separator included)."""
+        return self.encode(text.strip() + CHUNK_SEPARATOR)
+
+    def build(
+        self, question: str, chunk_texts: Sequence[str], system: str | None = None
+    ) -> PromptLayout:
+        prefix_text, suffix_text = self._frame(question, system or self.default_system)
+        chunks = tuple(self.chunk_tokens(text) for text in chunk_texts)
+        return PromptLayout(self.encode(prefix_text), chunks, self.encode(suffix_text))
+
+    def _frame(self, question: str, system: str) -> tuple[str, str]:
+        """The text before and after the passages."""
+        if self.uses_chat_template:
+            messages = [
+                {"role": "system", "content": f"{system}\n{INSTRUCTION}"},
+                {"role": "user", "content": f"{_PASSAGES_SLOT}Question: {question.strip()}"},
+            ]
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+            prefix, slot, suffix = rendered.partition(_PASSAGES_SLOT)
+            assert slot, "the chat template dropped the user message"
+            return prefix, suffix
+        bos = self.tokenizer.bos_token or ""
+        return f"{bos}{system}\n{INSTRUCTION}\n\n", f"Question: {question.strip()}\nAnswer:"

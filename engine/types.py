@@ -1,0 +1,146 @@
+"""Typed requests and results of the engine's Python API.
+
+The engine service converts its pydantic schemas into these; the engine never sees HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    CACHEBLEND = "cacheblend"
+    FULL_PREFILL = "full_prefill"
+    PREFIX_CACHE = "prefix_cache"
+    FULL_REUSE = "full_reuse"
+
+    @classmethod
+    def parse(cls, value: str | Mode) -> Mode:
+        try:
+            return cls(value)
+        except ValueError:
+            expected = ", ".join(m.value for m in cls)
+            raise ValueError(f"unknown mode {value!r}; expected one of {expected}") from None
+
+
+DEFAULT_RECOMPUTE_RATIO = 0.15
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One retrieved passage; `id` names it in logs and routing, the KV key is its tokens."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One question over chunks. `recompute_ratio=None` takes the engine's default."""
+
+    question: str
+    chunks: tuple[Chunk, ...] = ()
+    system: str | None = None
+    mode: Mode = Mode.CACHEBLEND
+    recompute_ratio: float | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks, like vLLM's option)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not self.question.strip():
+            raise ValueError("question must not be empty")
+        ratio = self.recompute_ratio
+        if ratio is not None and not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Tokens whose KV came from a cache unchanged (prefix cache or chunk cache).
+    cached_tokens: int = 0
+    # Chunk tokens whose KV was computed for this request (selected, or of an uncached chunk).
+    recomputed_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_load_s: float = 0.0
+    kv_wait_s: float = 0.0
+    recompute_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    # Fraction of the KV load time hidden behind compute (1.0 when nothing was loaded).
+    overlap: float = 1.0
+
+
+@dataclass
+class TokenDelta:
+    """Text produced by one decoding step (empty while a multi-byte character or a possible stop
+    string is held back)."""
+
+    text: str
+    token_id: int | None
+
+
+@dataclass
+class LayerTimes:
+    """When one layer's KV was loaded (None: not loaded) and when the layer was computed, in
+    seconds since the prefill started."""
+
+    layer: int
+    load_start_s: float | None
+    load_end_s: float | None
+    compute_start_s: float
+    compute_end_s: float
+
+
+@dataclass
+class Blend:
+    """How the prompt was built: the ratio used, the leading full layers, who chose them."""
+
+    recompute_ratio: float
+    leading_layers: int
+    chosen_by: str  # "request", "engine" or "controller"
+    fell_back_to_full_prefill: bool = False
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    blend: Blend
+    token_ids: list[int] = field(default_factory=list)
+    layers: list[LayerTimes] = field(default_factory=list)
+    # Where each chunk's KV was found at lookup ("memory", "ssd" or None), and bytes read.
+    chunk_tiers: list[str | None] = field(default_factory=list)
+    load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PrecomputeResult:
+    stored: int = 0
+    skipped: int = 0
+    bytes: int = 0

@@ -1,0 +1,1 @@
+"""Gateway service: public REST and OpenAI-compatible API over retriever and engine."""

@@ -1,0 +1,1 @@
+"""The gateway's FastAPI app: routes, dependencies, middleware and HTTP schemas."""

@@ -1,0 +1,73 @@
+"""Exception handlers: dependency failures and bad input become JSON errors with a `detail`
+that names the dependency or the field (plus OpenAI's `error` object on the OpenAI routes)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import (
+    DependencyBusyError,
+    DependencyFailedError,
+    DependencyRejectedError,
+    DependencyUnavailableError,
+)
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+def error_response(
+    request: Request, status: int, detail: object, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    content: dict = {"detail": detail}
+    if request.url.path in OPENAI_PATHS:
+        content["error"] = {
+            "message": detail if isinstance(detail, str) else str(detail),
+            "type": OPENAI_TYPES.get(status, "api_error"),
+            "code": status,
+        }
+    return JSONResponse(content, status_code=status, headers=headers)
+
+
+def validation_detail(exc: RequestValidationError) -> str:
+    """One readable line per problem, naming the field (`body.top_k` → `top_k`)."""
+    problems = []
+    for error in exc.errors():
+        if error["type"] == "json_invalid":
+            problems.append(f"body: malformed JSON ({error.get('ctx', {}).get('error', '')})")
+            continue
+        where = ".".join(str(p) for p in error["loc"] if p != "body") or "body"
+        problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, 422, validation_detail(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, exc.status_code, exc.detail, exc.headers)
+
+    @app.exception_handler(DependencyUnavailableError)
+    async def unavailable(request: Request, exc: DependencyUnavailableError) -> JSONResponse:
+        return error_response(request, 503, str(exc), {"Retry-After": "1"})
+
+    @app.exception_handler(DependencyBusyError)
+    async def busy(request: Request, exc: DependencyBusyError) -> JSONResponse:
+        return error_response(request, 429, str(exc), {"Retry-After": exc.retry_after_s})
+
+    @app.exception_handler(DependencyRejectedError)
+    async def rejected(request: Request, exc: DependencyRejectedError) -> JSONResponse:
+        # The dependency's 4xx is the client's problem too (a prompt too long for the model,
+        # an unknown doc_id): same status, its detail prefixed with who said so.
+        return error_response(request, exc.status_code, f"{exc.dependency}: {exc.detail}")
+
+    @app.exception_handler(DependencyFailedError)
+    async def failed(request: Request, exc: DependencyFailedError) -> JSONResponse:
+        return error_response(request, 502, str(exc))

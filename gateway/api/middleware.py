@@ -1,0 +1,115 @@
+"""Pure ASGI middleware around every request: the X-Request-ID, admission control (429 when
+max_concurrency queries are in flight) and request metrics, all measured until the last byte
+of a streamed answer, which BaseHTTPMiddleware could not do."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.context import request_id_var
+from gateway.metrics import GatewayMetrics
+
+REQUEST_ID_HEADER = b"x-request-id"
+# The routes that occupy an engine: only these count against max_concurrency.
+ADMITTED_PATHS = frozenset({"/v1/query", "/v1/chat/completions", "/v1/completions"})
+
+
+class Admission:
+    """A counter of query requests in flight; never waits: when full, the caller gets 429."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+
+    def try_enter(self) -> bool:
+        # The event loop is single-threaded, so check-and-increment cannot race.
+        if self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        assert self.in_flight > 0
+        self.in_flight -= 1
+
+
+class GatewayMiddleware:
+    def __init__(
+        self, app: ASGIApp, *, metrics: GatewayMetrics, admission: Admission, retry_after_s: int
+    ):
+        self.app = app
+        self.metrics = metrics
+        self.admission = admission
+        self.retry_after_s = retry_after_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        request_id = _request_id(scope)
+        token = request_id_var.set(request_id)
+        state = scope.setdefault("state", {})
+        state["request_id"], state["arrived_at"] = request_id, started
+        status = 500  # unless a response starts: the app failed before answering
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [
+                    *message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())
+                ]
+            await send(message)
+
+        admitted = scope["method"] == "POST" and scope["path"] in ADMITTED_PATHS
+        try:
+            if admitted and not self.admission.try_enter():
+                self.metrics.rejected.inc()
+                await self._too_busy(send_with_id)
+                return
+            if admitted:
+                self.metrics.in_flight.inc()
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                if admitted:
+                    self.admission.leave()
+                    self.metrics.in_flight.dec()
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            elapsed_s = time.perf_counter() - started
+            self.metrics.requests.labels(label, scope["method"], str(status)).inc()
+            self.metrics.request_seconds.labels(label, scope["method"], str(status)).observe(
+                elapsed_s
+            )
+            request_id_var.reset(token)
+
+    async def _too_busy(self, send: Send) -> None:
+        detail = f"gateway busy: {self.admission.limit} queries in flight (max_concurrency)"
+        body = json.dumps({"detail": detail}).encode()
+        await send({
+            "type": "http.response.start",
+            "status": 429,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(self.retry_after_s).encode()),
+            ],
+        })
+        await send({"type": "http.response.body", "body": body})
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", []):
+        if name == REQUEST_ID_HEADER:
+            # A client's id is kept (so its logs join ours) but bounded and printable.
+            text = value.decode("latin-1").strip()[:128]
+            if text.isprintable() and text:
+                return text
+    return uuid.uuid4().hex

@@ -1,0 +1,201 @@
+"""OpenAI-compatible routes: /v1/chat/completions (retrieval over the last user message),
+/v1/completions (over the prompt) and /v1/models; streams end with `data: [DONE]`."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from gateway.api.deps import (
+    PipelineDep,
+    SettingsDep,
+    resolve_max_tokens,
+    resolve_top_k,
+)
+from gateway.api.schemas.openai import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    OpenAIUsage,
+    RagInfo,
+)
+from gateway.api.schemas.query import SourceOut
+from gateway.api.streaming import (
+    SSE_HEADERS,
+    collect_unless_disconnected,
+    open_generation,
+    sse,
+)
+from gateway.errors import GatewayDependencyError
+from gateway.pipeline import Pipeline, TimedStream
+from gateway.settings import GatewaySettings
+from gateway.types import Generation, Outcome, Source
+
+router = APIRouter(tags=["openai"])
+log = logging.getLogger(__name__)
+STARTED_AT = int(time.time())
+FINISH_REASONS = {"stop", "length"}
+
+ChunkOf = Callable[[str | None, str | None], dict]  # (text delta, finish_reason) -> chunk
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(settings: SettingsDep) -> ModelList:
+    return ModelList(data=[ModelCard(id=settings.model_name, created=STARTED_AT)])
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, pipeline: PipelineDep,
+    settings: SettingsDep,
+):
+    users = [m for m in body.messages if m.role == "user" and m.text.strip()]
+    if not users:
+        raise HTTPException(422, detail="messages: no user message with text to answer")
+    # The engine's prompt has one system text and one question: earlier turns are not sent.
+    system = "\n".join(m.text for m in body.messages if m.role in ("system", "developer"))
+    run = await _start(pipeline, body, users[-1].text, system or None, request, settings)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+    def chunk(text: str | None, finish_reason: str | None) -> dict:
+        delta = {} if text is None else {"content": text}
+        return {"id": completion_id, "object": "chat.completion.chunk", "created": run.created,
+                "model": run.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                 "finish_reason": finish_reason}]}
+
+    if body.stream:
+        first = chunk("", None)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return run.streaming_response(chunk, first, body.include_usage)
+    outcome = await run.collect(request)
+    return ChatCompletionResponse(
+        id=completion_id, created=run.created, model=run.model,
+        choices=[ChatChoice(message={"role": "assistant", "content": outcome.text},
+                            finish_reason=_finish(outcome))],
+        usage=OpenAIUsage.of(outcome.usage), rag=run.rag_info(outcome),
+    )
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def completions(
+    body: CompletionRequest, request: Request, pipeline: PipelineDep, settings: SettingsDep
+):
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    if len(prompts) != 1 or not prompts[0].strip():
+        raise HTTPException(422, detail="prompt: exactly one non-blank prompt is supported")
+    run = await _start(pipeline, body, prompts[0], None, request, settings)
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+
+    def chunk(text: str | None, finish_reason: str | None) -> dict:
+        return {"id": completion_id, "object": "text_completion", "created": run.created,
+                "model": run.model, "choices": [{"index": 0, "text": text or "",
+                                                 "logprobs": None,
+                                                 "finish_reason": finish_reason}]}
+
+    if body.stream:
+        return run.streaming_response(chunk, None, body.include_usage)
+    outcome = await run.collect(request)
+    return CompletionResponse(
+        id=completion_id, created=run.created, model=run.model,
+        choices=[CompletionChoice(text=outcome.text, finish_reason=_finish(outcome))],
+        usage=OpenAIUsage.of(outcome.usage), rag=run.rag_info(outcome),
+    )
+
+
+async def _start(
+    pipeline: Pipeline, body: ChatCompletionRequest | CompletionRequest, question: str,
+    system: str | None, request: Request, settings: GatewaySettings,
+) -> _Run:
+    top_k = resolve_top_k(body.rag.top_k, settings)
+    max_tokens = resolve_max_tokens(body.token_limit, settings)
+    sources, _ = await pipeline.retrieve(
+        question, top_k, body.rag.doc_ids, request_id=request.state.request_id
+    )
+    generation = Generation(
+        question=question, sources=tuple(sources), mode=body.rag.mode,
+        recompute_ratio=body.rag.recompute_ratio, max_tokens=max_tokens,
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list,
+        system=system,
+    )
+    stream, stack = await open_generation(pipeline, generation, request)
+    return _Run(stream, stack, sources, body.rag.mode, body.model or settings.model_name)
+
+
+class _Run:
+    """One open generation of an OpenAI route, answered as JSON or as a chunk stream."""
+
+    def __init__(
+        self, stream: TimedStream, stack: AsyncExitStack, sources: list[Source], mode: str,
+        model: str,
+    ):
+        self.stream, self.stack, self.sources = stream, stack, sources
+        self.mode, self.model = mode, model
+        self.created = int(time.time())
+
+    def rag_info(self, outcome: Outcome) -> RagInfo:
+        timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
+        return RagInfo(
+            sources=[SourceOut.of(s) for s in self.sources], mode=self.mode,
+            recomputed_tokens=outcome.usage["recomputed_tokens"], engine=outcome.engine_url,
+            timings={**timings, "gateway_ttft_s": self.stream.ttft_s},
+        )
+
+    async def collect(self, request: Request) -> Outcome:
+        async with self.stack:
+            outcome = await collect_unless_disconnected(self.stream, request)
+        if outcome is None:
+            raise HTTPException(499, detail="client disconnected")
+        return outcome
+
+    def streaming_response(
+        self, chunk: ChunkOf, first: dict | None, include_usage: bool
+    ) -> StreamingResponse:
+        return StreamingResponse(
+            self._chunks(chunk, first, include_usage), media_type="text/event-stream",
+            headers={**SSE_HEADERS, "X-RAGBlend-Engine": self.stream.engine_url},
+            background=BackgroundTask(self.stack.aclose),
+        )
+
+    async def _chunks(
+        self, chunk: ChunkOf, first: dict | None, include_usage: bool
+    ) -> AsyncIterator[str]:
+        def framed(payload: dict) -> str:
+            if include_usage:  # OpenAI sends "usage": null on every chunk but the last
+                payload.setdefault("usage", None)
+            return sse(payload)
+
+        async with self.stack:
+            if first is not None:
+                yield framed(first)
+            try:
+                async for event in self.stream.events():
+                    if isinstance(event, Outcome):
+                        yield framed(chunk(None, _finish(event)))
+                        if include_usage:
+                            last = chunk(None, None)
+                            last["choices"] = []
+                            last["usage"] = OpenAIUsage.of(event.usage).model_dump()
+                            last["rag"] = self.rag_info(event).model_dump()
+                            yield sse(last)
+                    elif event.text:
+                        yield framed(chunk(event.text, None))
+            except GatewayDependencyError as exc:
+                log.warning("stream failed: %s", exc)
+                yield sse({"error": {"message": str(exc), "type": "upstream_error"}})
+            yield "data: [DONE]\n\n"
+
+
+def _finish(outcome: Outcome) -> str:
+    return outcome.finish_reason if outcome.finish_reason in FINISH_REASONS else "stop"

@@ -1,0 +1,87 @@
+"""POST /v1/query: retrieve, then generate over the retrieved chunks; JSON, or SSE events
+`sources`, `delta`… and `result` (or `error`) when `stream` is true."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from gateway.api.deps import (
+    PipelineDep,
+    RequestIdDep,
+    SettingsDep,
+    resolve_max_tokens,
+    resolve_top_k,
+)
+from gateway.api.schemas.query import QueryRequest, QueryResponse, SourceOut
+from gateway.api.streaming import (
+    SSE_HEADERS,
+    collect_unless_disconnected,
+    open_generation,
+    sse,
+)
+from gateway.errors import GatewayDependencyError
+from gateway.pipeline import TimedStream
+from gateway.types import Generation, Outcome, Source
+
+router = APIRouter(tags=["query"])
+log = logging.getLogger(__name__)
+
+
+@router.post("/v1/query", response_model=QueryResponse)
+async def query(
+    body: QueryRequest, request: Request, pipeline: PipelineDep, settings: SettingsDep,
+    request_id: RequestIdDep,
+):
+    top_k = resolve_top_k(body.top_k, settings)
+    max_tokens = resolve_max_tokens(body.max_tokens, settings)
+    sources, retrieval_s = await pipeline.retrieve(
+        body.question, top_k, body.doc_ids, request_id=request_id
+    )
+    generation = Generation(
+        question=body.question, sources=tuple(sources), mode=body.mode,
+        recompute_ratio=body.recompute_ratio, max_tokens=max_tokens,
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+        stop=tuple(body.stop or ()),
+    )
+    stream, stack = await open_generation(pipeline, generation, request)
+
+    def response(outcome: Outcome) -> QueryResponse:
+        return QueryResponse.of(
+            outcome, body.mode, sources, retrieval_s=retrieval_s, ttft_s=stream.ttft_s,
+            total_s=time.perf_counter() - request.state.arrived_at, request_id=request_id,
+        )
+
+    if body.stream:
+        return StreamingResponse(
+            _events(stream, stack, sources, response), media_type="text/event-stream",
+            headers={**SSE_HEADERS, "X-RAGBlend-Engine": stream.engine_url},
+            background=BackgroundTask(stack.aclose),
+        )
+    async with stack:
+        outcome = await collect_unless_disconnected(stream, request)
+    if outcome is None:
+        raise HTTPException(499, detail="client disconnected")
+    return response(outcome)
+
+
+async def _events(
+    stream: TimedStream, stack: AsyncExitStack, sources: list[Source], response
+) -> AsyncIterator[str]:
+    async with stack:
+        yield sse({"sources": [SourceOut.of(s).model_dump() for s in sources]}, "sources")
+        try:
+            async for event in stream.events():
+                if isinstance(event, Outcome):
+                    yield sse(response(event).model_dump(), "result")
+                elif event.text:
+                    yield sse({"text": event.text}, "delta")
+        except GatewayDependencyError as exc:
+            log.warning("stream failed: %s", exc)
+            yield sse({"detail": str(exc)}, "error")

@@ -1,0 +1,1 @@
+"""Request and response bodies of the gateway, one model per direction, per resource."""

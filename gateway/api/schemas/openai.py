@@ -1,0 +1,159 @@
+"""Bodies of the OpenAI-compatible routes (/v1/chat/completions, /v1/completions, /v1/models),
+plus the `rag` extension field that sets retrieval and blending per request."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.api.schemas.query import ModeName, SourceOut
+
+
+class RagOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: int | None = Field(None, ge=1)
+    mode: ModeName = "cacheblend"
+    recompute_ratio: float | None = Field(None, ge=0, le=1)
+    doc_ids: list[str] | None = Field(None, min_length=1)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text or "" for p in self.content if p.type == "text")
+        return self.content or ""
+
+
+class _SamplingRequest(BaseModel):
+    # OpenAI clients send fields we have no use for (user, logit_bias…); they are ignored.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    rag: RagOptions = Field(default_factory=RagOptions)
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str]
+    max_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OpenAIUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, usage: dict[str, int]) -> OpenAIUsage:
+        return cls(
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage["cached_tokens"]),
+        )
+
+
+class RagInfo(BaseModel):
+    """The extension in responses: what was retrieved and how the prompt was built."""
+
+    sources: list[SourceOut]
+    mode: ModeName
+    recomputed_tokens: int
+    engine: str
+    timings: dict[str, Any]
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: dict[str, str]
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: OpenAIUsage
+    rag: RagInfo
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: OpenAIUsage
+    rag: RagInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ragblend"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,56 @@
+"""Helpers of the generating routes: open the engine stream before answering (so a down or
+busy engine is a status code, not a broken stream), and wait for a non-streamed answer while
+watching for the client to leave."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from contextlib import AsyncExitStack
+
+from fastapi import Request
+
+from gateway.pipeline import Pipeline, TimedStream
+from gateway.types import Generation, Outcome
+
+DISCONNECT_POLL_S = 0.25
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: dict, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(payload)}\n\n"
+
+
+async def open_generation(
+    pipeline: Pipeline, generation: Generation, request: Request
+) -> tuple[TimedStream, AsyncExitStack]:
+    """The open stream and the stack that closes it; the caller owns the stack (a streaming
+    response closes it when it ends, however it ends)."""
+    stack = AsyncExitStack()
+    try:
+        stream = await stack.enter_async_context(
+            pipeline.generate(
+                generation, request_id=request.state.request_id,
+                arrived_at=request.state.arrived_at,
+            )
+        )
+    except BaseException:
+        await stack.aclose()
+        raise
+    return stream, stack
+
+
+async def collect_unless_disconnected(stream: TimedStream, request: Request) -> Outcome | None:
+    """The outcome, or None when the client left first (the engine's work is then cancelled
+    by closing its stream)."""
+    task = asyncio.ensure_future(stream.collect())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()

@@ -1,0 +1,63 @@
+"""`ragblend gateway`: serve the public API over the retriever and the engine pool (settings
+from flags or RAGBLEND_GATEWAY_*)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pydantic import ValidationError
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "gateway", help="run the gateway service", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--retriever-url")
+    parser.add_argument(
+        "--engine-urls", help="comma-separated engine URLs (rendezvous-hashed by chunk set)"
+    )
+    parser.add_argument("--max-concurrency", type=int, help="queries in flight; beyond: 429")
+    parser.add_argument("--retry-after-s", type=int, help="Retry-After of those 429s")
+    parser.add_argument("--default-top-k", type=int)
+    parser.add_argument("--max-top-k", type=int)
+    parser.add_argument("--default-max-tokens", type=int)
+    parser.add_argument("--generate-timeout-s", type=float)
+    parser.add_argument("--model-name", help="model id shown by /v1/models")
+    parser.add_argument("--shutdown-grace-s", type=float, help="drain time for open streams")
+    parser.set_defaults(run=run)
+
+
+def _log_request_ids() -> None:
+    from gateway.context import RequestIdFilter
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.api.main import create_app
+    from gateway.settings import GatewaySettings
+
+    fields = set(GatewaySettings.model_fields)
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    try:
+        settings = GatewaySettings(**overrides)
+    except ValidationError as exc:
+        raise SystemExit(f"ragblend gateway: invalid settings:\n{exc}") from None
+    _log_request_ids()
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+    )
+    return 0

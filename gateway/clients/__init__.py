@@ -1,0 +1,1 @@
+"""HTTP clients of the gateway's dependencies: the retriever and the engine pool."""

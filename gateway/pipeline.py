@@ -1,0 +1,77 @@
+"""The query path: retrieve the chunks of a question, then stream a generation over them from
+the engine pool, timing each stage into the metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from gateway.clients.engine import EnginePool, EngineStream
+from gateway.clients.retriever import RetrieverClient
+from gateway.metrics import GatewayMetrics
+from gateway.types import Delta, Generation, Outcome, Source
+
+
+class TimedStream:
+    """An engine stream that records the first token's time (from `arrived_at`, the request's
+    arrival) and the generation's usage once the result arrives."""
+
+    def __init__(
+        self, stream: EngineStream, generation: Generation, metrics: GatewayMetrics,
+        arrived_at: float,
+    ):
+        self.stream = stream
+        self.generation = generation
+        self.metrics = metrics
+        self.arrived_at = arrived_at
+        self.sent_at = time.perf_counter()
+        self.ttft_s: float | None = None
+
+    @property
+    def engine_url(self) -> str:
+        return self.stream.url
+
+    async def events(self) -> AsyncIterator[Delta | Outcome]:
+        async for event in self.stream.events():
+            now = time.perf_counter()
+            if self.ttft_s is None and (isinstance(event, Outcome) or event.text):
+                self.ttft_s = now - self.arrived_at
+                self.metrics.ttft.labels(self.generation.mode).observe(self.ttft_s)
+            if isinstance(event, Outcome):
+                self.metrics.observe_generation(
+                    self.generation.mode, event.usage, now - self.sent_at
+                )
+            yield event
+
+    async def collect(self) -> Outcome:
+        async for event in self.events():
+            if isinstance(event, Outcome):
+                return event
+        raise AssertionError("EngineStream.events ends with an Outcome or raises")
+
+
+class Pipeline:
+    def __init__(self, retriever: RetrieverClient, engines: EnginePool, metrics: GatewayMetrics):
+        self.retriever = retriever
+        self.engines = engines
+        self.metrics = metrics
+
+    async def retrieve(
+        self, question: str, top_k: int, doc_ids: list[str] | None, *, request_id: str
+    ) -> tuple[list[Source], float]:
+        """The top_k chunks and the seconds the search took."""
+        start = time.perf_counter()
+        sources = await self.retriever.search(question, top_k, doc_ids, request_id=request_id)
+        elapsed_s = time.perf_counter() - start
+        self.metrics.retrieval_seconds.observe(elapsed_s)
+        return sources, elapsed_s
+
+    @asynccontextmanager
+    async def generate(
+        self, generation: Generation, *, request_id: str, arrived_at: float
+    ) -> AsyncIterator[TimedStream]:
+        """An open engine stream; leaving the context early cancels the engine's work."""
+        async with self.engines.generate(generation, request_id=request_id) as stream:
+            self.metrics.engine_requests.labels(stream.url).inc()
+            yield TimedStream(stream, generation, self.metrics, arrived_at)

@@ -1,0 +1,69 @@
+"""Settings of the gateway service: `RAGBLEND_GATEWAY_*` environment variables or CLI flags,
+validated when the class is built."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RAGBLEND_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    retriever_url: str = "http://127.0.0.1:8001"
+    # NoDecode: the env var may be a comma-separated list as well as JSON.
+    engine_urls: Annotated[list[str], NoDecode] = ["http://127.0.0.1:8002"]
+    max_concurrency: int = Field(64, ge=1, description="queries in flight; beyond: 429")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with a 429")
+    connect_timeout_s: float = Field(2.0, gt=0)
+    retrieval_timeout_s: float = Field(30.0, gt=0)
+    ingest_timeout_s: float = Field(600.0, gt=0, description="retriever ingest of one document")
+    precompute_timeout_s: float = Field(600.0, gt=0)
+    # Between two streamed events of the engine; covers its queue wait and prefill.
+    generate_timeout_s: float = Field(300.0, gt=0)
+    retries: int = Field(2, ge=0, description="extra tries of idempotent calls")
+    retry_backoff_s: float = Field(0.2, ge=0, description="first backoff; doubles per try")
+    default_top_k: int = Field(4, ge=1)
+    max_top_k: int = Field(32, ge=1)
+    default_max_tokens: int = Field(128, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    model_name: str = Field("ragblend", description="model id shown by /v1/models")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="drain time for in-flight streams")
+
+    @field_validator("retriever_url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/")
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        # A comma-separated string (a CLI flag or an env var) or a JSON list.
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [part for part in (p.strip() for p in value.split(",")) if part]
+        return value
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _engines_not_empty(cls, value: list[str]) -> list[str]:
+        urls = [url.rstrip("/") for url in value]
+        if not urls:
+            raise ValueError("engine_urls needs at least one engine URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError("engine_urls lists an engine twice")
+        return urls
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> GatewaySettings:
+        if self.default_top_k > self.max_top_k:
+            raise ValueError("default_top_k must not exceed max_top_k")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        return self

@@ -1,0 +1,92 @@
+"""The memory tier: whole chunk entries in host RAM (pinned when the engine is on CUDA), LRU
+by bytes under a fixed budget."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kvstore.types import ChunkKV, TierStats
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryTier:
+    """LRU of ChunkKV by bytes. Thread-safe; a hit in `get` makes the entry most recently used."""
+
+    name = "memory"
+
+    def __init__(self, budget_bytes: int, pin_memory: bool = False) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory needs a CUDA build of torch with a visible GPU")
+        self.budget_bytes = budget_bytes
+        self.pin_memory = pin_memory
+        self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._stats = TierStats(budget_bytes=budget_bytes)
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def keys_lru_first(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def get(self, key: str) -> ChunkKV | None:
+        """The entry, now most recently used, or None on a miss (counted)."""
+        with self._lock:
+            kv = self._entries.get(key)
+            if kv is None:
+                self._stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._stats.hits += 1
+            return kv
+
+    def put(self, key: str, kv: ChunkKV) -> list[str]:
+        """Store `kv` (moved to host, pinned if configured) as most recently used; returns the
+        keys evicted for room, LRU first. An entry larger than the whole budget is not stored."""
+        if kv.nbytes > self.budget_bytes:
+            logger.debug("entry %s (%d bytes) is over the memory budget", key, kv.nbytes)
+            return []
+        kv = self._to_host(kv)
+        evicted: list[str] = []
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            while self._bytes + kv.nbytes > self.budget_bytes:
+                victim, victim_kv = self._entries.popitem(last=False)
+                self._bytes -= victim_kv.nbytes
+                self._stats.evictions += 1
+                evicted.append(victim)
+            self._entries[key] = kv
+            self._bytes += kv.nbytes
+        return evicted
+
+    def discard(self, key: str) -> bool:
+        with self._lock:
+            kv = self._entries.pop(key, None)
+            if kv is not None:
+                self._bytes -= kv.nbytes
+            return kv is not None
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            self._stats.entries, self._stats.bytes = len(self._entries), self._bytes
+            return TierStats(**vars(self._stats))
+
+    def _to_host(self, kv: ChunkKV) -> ChunkKV:
+        keys, values = kv.keys.detach().cpu(), kv.values.detach().cpu()
+        if self.pin_memory and not keys.is_pinned():
+            keys, values = keys.pin_memory(), values.pin_memory()
+        if keys is kv.keys and values is kv.values:
+            return kv
+        return ChunkKV(keys=keys, values=values)

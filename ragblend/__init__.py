@@ -1,0 +1,5 @@
+"""ragblend: an asynchronous RAG gateway with CacheBlend KV-cache fusion.
+
+This package holds only the `ragblend` command line; the parts live in engine/, kvstore/,
+retriever/ and gateway/.
+"""

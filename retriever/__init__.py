@@ -1,0 +1,1 @@
+"""Retriever service: chunking, embeddings, FAISS index and chunk catalog."""

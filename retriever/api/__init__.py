@@ -1,0 +1,1 @@
+"""HTTP layer of the retriever: FastAPI app factory, dependencies, routes and schemas."""

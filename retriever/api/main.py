@@ -1,0 +1,59 @@
+"""The retriever's FastAPI app factory: loads the service at startup (in a thread), saves
+the index in the background while running and once more at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from retriever.api.routes import documents, health, search
+from retriever.metrics import RetrieverMetrics
+from retriever.service import RetrieverService
+from retriever.settings import RetrieverSettings
+
+logger = logging.getLogger(__name__)
+
+
+async def _save_periodically(service: RetrieverService, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await run_in_threadpool(service.save_index)
+        except OSError:
+            logger.exception("saving the index failed; the catalog stays authoritative")
+
+
+def create_app(settings: RetrieverSettings | None = None) -> FastAPI:
+    settings = settings or RetrieverSettings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = await run_in_threadpool(RetrieverService.open, settings)
+        app.state.service = service
+        saver = None
+        if settings.index_save_interval_s > 0:
+            saver = asyncio.create_task(_save_periodically(service, settings.index_save_interval_s))
+        logger.info("retriever ready: %s", service.stats())
+        try:
+            yield
+        finally:
+            if saver is not None:
+                saver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await saver
+            await run_in_threadpool(service.close)
+            app.state.service = None
+
+    app = FastAPI(title="ragblend retriever", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = RetrieverMetrics()
+    app.state.service = None
+    app.include_router(documents.router)
+    app.include_router(search.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,167 @@
+"""`/v1/documents`: ingest (JSON body or multipart file upload), list, show and delete."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from retriever.api.deps import MetricsDep, ServiceDep, SettingsDep
+from retriever.api.schemas import (
+    DocumentCreateRequest,
+    DocumentCreateResponse,
+    DocumentDeleteResponse,
+    DocumentDetailResponse,
+    DocumentListResponse,
+    DocumentSummary,
+)
+from retriever.catalog import DocumentRecord
+from retriever.extract import ExtractionError, UnsupportedFileTypeError, extract_text
+from retriever.metrics import RetrieverMetrics
+from retriever.service import DocumentInput, EmptyDocumentError, UnknownDocumentError
+from retriever.settings import RetrieverSettings
+
+router = APIRouter(prefix="/v1/documents", tags=["documents"])
+
+
+def _fail(metrics: RetrieverMetrics, status: int, reason: str, detail: Any) -> HTTPException:
+    metrics.ingest_failures.labels(reason=reason).inc()
+    return HTTPException(status_code=status, detail=detail)
+
+
+async def _read_json(request: Request, metrics: RetrieverMetrics) -> DocumentInput:
+    try:
+        body = DocumentCreateRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise _fail(metrics, 422, "invalid", _errors(exc)) from exc
+    return DocumentInput(text=body.text, metadata=body.metadata, doc_id=body.id)
+
+
+async def _read_upload(
+    request: Request, settings: RetrieverSettings, metrics: RetrieverMetrics
+) -> DocumentInput:
+    """A multipart form: `file` (required), `metadata` (a JSON object), `id`."""
+    form = await request.form()
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise _fail(metrics, 422, "invalid", "multipart upload needs a 'file' field")
+    filename = upload.filename or "upload"
+    # Starlette spools the upload to a temporary file; UploadFile.read runs in a thread, so
+    # the event loop is never blocked on that file.
+    data = await upload.read(settings.max_upload_bytes + 1)
+    if len(data) > settings.max_upload_bytes:
+        raise _fail(metrics, 413, "too_large",
+                    f"{filename} exceeds {settings.max_upload_bytes} bytes")
+    try:
+        extracted = await run_in_threadpool(extract_text, filename, data)
+    except UnsupportedFileTypeError as exc:
+        raise _fail(metrics, 415, "unsupported_type", str(exc)) from exc
+    except ExtractionError as exc:
+        raise _fail(metrics, 422, "unreadable", str(exc)) from exc
+    if not extracted.text.strip():
+        raise _fail(metrics, 422, "empty", f"{filename} contains no text")
+    metadata = dict(extracted.metadata)
+    raw_metadata = form.get("metadata")
+    if isinstance(raw_metadata, str) and raw_metadata:
+        try:
+            extra = json.loads(raw_metadata)
+        except json.JSONDecodeError as exc:
+            raise _fail(metrics, 422, "invalid", f"metadata is not valid JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise _fail(metrics, 422, "invalid", "metadata must be a JSON object")
+        metadata.update(extra)
+    doc_id = form.get("id")
+    try:
+        checked = DocumentCreateRequest(
+            text=extracted.text, metadata=metadata,
+            id=doc_id if isinstance(doc_id, str) and doc_id else None,
+        )
+    except ValidationError as exc:
+        raise _fail(metrics, 422, "invalid", _errors(exc)) from exc
+    return DocumentInput(text=extracted.text, metadata=checked.metadata, doc_id=checked.id)
+
+
+def _errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic's error list in JSON-safe form (its `ctx` may hold exception objects)."""
+    return json.loads(exc.json(include_url=False, include_input=False))
+
+
+def _summary(record: DocumentRecord) -> dict[str, Any]:
+    return {
+        "doc_id": record.doc_id, "metadata": record.metadata, "num_chunks": record.num_chunks,
+        "num_tokens": record.num_tokens, "num_chars": record.num_chars,
+        "created_at": record.created_at,
+    }
+
+
+@router.post("", response_model=DocumentCreateResponse)
+async def create_document(
+    request: Request, service: ServiceDep, settings: SettingsDep, metrics: MetricsDep
+) -> DocumentCreateResponse:
+    """Ingest one document: a JSON body {text, metadata?, id?} or a multipart file upload."""
+    started = time.perf_counter()
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        doc = await _read_upload(request, settings, metrics)
+    else:
+        doc = await _read_json(request, metrics)
+    try:
+        result = await run_in_threadpool(service.ingest, doc)
+    except EmptyDocumentError as exc:
+        raise _fail(metrics, 422, "empty", str(exc)) from exc
+    if result.status == "unchanged":
+        metrics.documents_unchanged.inc()
+    else:
+        metrics.documents_ingested.inc()
+        metrics.chunks_ingested.inc(len(result.chunk_ids))
+    metrics.ingest_latency_s.observe(time.perf_counter() - started)
+    return DocumentCreateResponse(
+        doc_id=result.doc_id, chunk_ids=result.chunk_ids, status=result.status,
+        num_tokens=result.num_tokens,
+    )
+
+
+@router.get("", response_model=DocumentListResponse)
+async def list_documents(
+    service: ServiceDep,
+    limit: int = Query(1000, ge=1, le=100_000),
+    offset: int = Query(0, ge=0),
+) -> DocumentListResponse:
+    records = await run_in_threadpool(service.list_documents, limit, offset)
+    stats = await run_in_threadpool(service.stats)
+    return DocumentListResponse(
+        documents=[DocumentSummary(**_summary(r)) for r in records], total=stats.documents
+    )
+
+
+@router.get("/{doc_id:path}", response_model=DocumentDetailResponse)
+async def get_document(doc_id: str, service: ServiceDep) -> DocumentDetailResponse:
+    try:
+        record, chunks = await run_in_threadpool(service.get_document, doc_id)
+    except UnknownDocumentError as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from exc
+    return DocumentDetailResponse(
+        **_summary(record),
+        chunks=[
+            {"chunk_id": c.chunk_id, "position": c.position, "num_tokens": c.num_tokens,
+             "start_char": c.start_char, "end_char": c.end_char, "text": c.text}
+            for c in chunks
+        ],
+    )
+
+
+@router.delete("/{doc_id:path}", response_model=DocumentDeleteResponse)
+async def delete_document(
+    doc_id: str, service: ServiceDep, metrics: MetricsDep
+) -> DocumentDeleteResponse:
+    try:
+        deleted = await run_in_threadpool(service.delete, doc_id)
+    except UnknownDocumentError as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from exc
+    metrics.documents_deleted.inc()
+    return DocumentDeleteResponse(doc_id=doc_id, deleted_chunks=deleted)

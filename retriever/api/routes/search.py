@@ -1,0 +1,40 @@
+"""`POST /v1/search`: the top_k chunks most similar to a query."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, HTTPException
+from starlette.concurrency import run_in_threadpool
+
+from retriever.api.deps import MetricsDep, ServiceDep, SettingsDep
+from retriever.api.schemas import SearchRequest, SearchResponse, SearchResult
+from retriever.service import UnknownDocumentError
+
+router = APIRouter(prefix="/v1", tags=["search"])
+
+
+@router.post("/search", response_model=SearchResponse)
+async def search(
+    body: SearchRequest, service: ServiceDep, settings: SettingsDep, metrics: MetricsDep
+) -> SearchResponse:
+    if body.top_k > settings.max_top_k:
+        raise HTTPException(
+            status_code=422,
+            detail=f"top_k must be between 1 and {settings.max_top_k} (max_top_k), "
+                   f"got {body.top_k}",
+        )
+    started = time.perf_counter()
+    try:
+        hits = await run_in_threadpool(
+            service.search, body.query, body.top_k, body.doc_ids, body.min_score
+        )
+    except UnknownDocumentError as exc:
+        raise HTTPException(status_code=404, detail=str(exc)) from exc
+    metrics.search_latency_s.observe(time.perf_counter() - started)
+    return SearchResponse(
+        results=[
+            SearchResult(chunk_id=h.chunk_id, doc_id=h.doc_id, score=h.score, text=h.text)
+            for h in hits
+        ]
+    )

@@ -1,0 +1,139 @@
+"""Decoding from the blended cache: greedy equality with transformers, sampling, stops, streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.detokenize import IncrementalText
+from engine.errors import GenerationCancelled
+from engine.sampling import Sampler
+from engine.synthetic import FAMILIES
+from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
+
+
+def request(chunks, **overrides) -> GenerateRequest:
+    values = {"question": "where is the sol of kalo?", "chunks": chunks, "max_tokens": 12}
+    return GenerateRequest(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_at_ratio_one_matches_model_generate(engine_for, make_chunks, family):
+    engine = engine_for(family)
+    chunks = make_chunks(3, seed=3)
+    engine.precompute(chunks)
+    result = engine.generate(request(chunks, recompute_ratio=1.0))
+    prompt = torch.tensor([engine.layout(request(chunks)).token_ids])
+    with torch.inference_mode():
+        reference = engine.model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=engine.tokenizer.pad_token_id,
+        )
+    expected = reference[0, prompt.shape[1] :].tolist()
+    # Our decoder stops at EOS; transformers was told not to, so compare up to it.
+    eos = sorted(engine.eos_ids)
+    cut = next((i for i, t in enumerate(expected) if t in eos), len(expected))
+    assert result.token_ids == expected[:cut]
+    assert result.finish_reason == ("stop" if cut < len(expected) else "length")
+
+
+def test_seeded_sampling_repeats_and_different_seeds_differ(engine_for, make_chunks):
+    engine = engine_for("llama")
+    chunks = make_chunks(2, seed=5)
+    sampled = [
+        engine.generate(
+            request(
+                chunks,
+                mode=Mode.FULL_PREFILL,
+                temperature=1.5,
+                top_p=0.95,
+                seed=seed,
+                max_tokens=16,
+            )
+        )
+        for seed in (1, 1, 2)
+    ]
+    assert sampled[0].token_ids == sampled[1].token_ids
+    assert sampled[0].token_ids != sampled[2].token_ids
+
+
+def test_tiny_top_p_samples_the_greedy_token():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    sampler = Sampler(temperature=1.0, top_p=1e-6, seed=0)
+    assert {sampler(logits) for _ in range(20)} == {1}
+
+
+def test_max_tokens_bounds_the_completion(engine_for, make_chunks):
+    engine = engine_for("mistral")
+    result = engine.generate(request(make_chunks(2, seed=6), max_tokens=3))
+    assert result.usage.completion_tokens <= 3
+    assert result.finish_reason in {"length", "stop"}
+
+
+class _CharTokenizer:
+    """Decodes ids as characters: enough to pin the text logic without a model."""
+
+    def decode(self, ids, **_):
+        return "".join(chr(i) for i in ids)
+
+
+def test_stop_string_cuts_the_text_and_is_never_emitted():
+    text = IncrementalText(_CharTokenizer(), stop=("END",))
+    emitted = "".join(text.add(ord(c)) for c in "hello EN")
+    assert emitted == "hello "  # "EN" held back: it may become the stop string
+    emitted += text.add(ord("D"))
+    assert text.stopped and text.text == "hello " and emitted == "hello "
+
+
+def test_held_back_text_is_released_when_it_cannot_be_a_stop_string():
+    text = IncrementalText(_CharTokenizer(), stop=("END",))
+    emitted = "".join(text.add(ord(c)) for c in "ENX")
+    assert emitted == "ENX" and not text.stopped
+
+
+def test_stop_strings_end_generation_with_reason_stop(engine_for, make_chunks):
+    engine = engine_for("llama")
+    chunks = make_chunks(2, seed=8)
+    free = engine.generate(request(chunks, mode=Mode.FULL_PREFILL, max_tokens=16))
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    stopped = engine.generate(request(chunks, mode=Mode.FULL_PREFILL, max_tokens=16, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+
+
+def test_async_stream_yields_deltas_that_add_up_to_the_result(engine_for, make_chunks):
+    engine = engine_for("qwen3")
+    chunks = make_chunks(3, seed=9)
+    engine.precompute(chunks)
+    fixed = request(chunks, recompute_ratio=0.15)  # the controller's choice may move
+    engine.generate(fixed)  # fills the prefix cache, so both runs below take one path
+    expected = engine.generate(fixed)
+
+    async def collect():
+        return [event async for event in engine.stream(fixed)]
+
+    events = asyncio.run(collect())
+    *deltas, result = events
+    assert all(isinstance(d, TokenDelta) for d in deltas) and isinstance(result, GenerateResult)
+    assert "".join(d.text for d in deltas) == result.text
+    assert result.timings.ttft_s > 0 and result.timings.ttft_s <= result.timings.total_s
+    assert result.text == expected.text
+
+
+def test_cancelled_generation_stops_between_tokens(engine_for, make_chunks):
+    engine = engine_for("llama")
+    produced = []
+    events = engine.iter_generate(
+        request(make_chunks(1, seed=10), max_tokens=50), cancelled=lambda: len(produced) >= 2
+    )
+    with pytest.raises(GenerationCancelled):
+        for event in events:
+            produced.append(event)
+    assert len(produced) == 2

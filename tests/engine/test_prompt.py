@@ -1,0 +1,41 @@
+"""Prompt layout: chunk tokens independent of neighbours, chat and plain templates."""
+
+from __future__ import annotations
+
+from engine.model import load_model
+from engine.prompt import PromptBuilder
+
+
+def test_chunk_tokens_do_not_depend_on_neighbours_or_order(checkpoint_dir):
+    prompts = PromptBuilder(load_model(checkpoint_dir("llama")).tokenizer)
+    a, b = "kalo vo zuren.", "tas pe drisol an."
+    first = prompts.build("q?", [a, b])
+    second = prompts.build("q?", [b, a])
+    assert first.chunks == (prompts.chunk_tokens(a), prompts.chunk_tokens(b))
+    assert second.chunks == (first.chunks[1], first.chunks[0])
+    assert first.prefix == second.prefix and first.suffix == second.suffix
+
+
+def test_plain_template_starts_with_bos_and_ends_with_the_question(checkpoint_dir):
+    tokenizer = load_model(checkpoint_dir("llama")).tokenizer
+    prompts = PromptBuilder(tokenizer)
+    layout = prompts.build("where is kalo?", ["zu ka."])
+    assert not prompts.uses_chat_template
+    assert layout.prefix[0] == tokenizer.bos_token_id
+    assert tokenizer.decode(layout.suffix).endswith("where is kalo?\nAnswer:")
+    assert layout.chunk_spans == ((len(layout.prefix), len(layout.chunks[0])),)
+    assert layout.num_tokens == len(layout.prefix) + len(layout.chunks[0]) + len(layout.suffix)
+
+
+def test_chat_template_puts_passages_in_the_user_turn(checkpoint_dir):
+    tokenizer = load_model(checkpoint_dir("qwen2")).tokenizer
+    prompts = PromptBuilder(tokenizer, default_system="Be brief.")
+    layout = prompts.build("where is kalo?", ["zu ka."])
+    assert prompts.uses_chat_template
+    prefix = tokenizer.decode(layout.prefix)
+    suffix = tokenizer.decode(layout.suffix)
+    assert prefix.startswith("<|im_start|>system\nBe brief.") and prefix.endswith(
+        "<|im_start|>user\n"
+    )
+    assert suffix.startswith("Question: where is kalo?<|im_end|>")
+    assert suffix.endswith("<|im_start|>assistant\n")

@@ -1,0 +1,72 @@
+"""Bad input to the engine is a clear error naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from engine.engine import Engine
+from engine.errors import ModelNotFoundError, ModelNotSupportedError, PromptTooLongError
+from engine.model import load_model
+from engine.synthetic import build_tokenizer, random_words
+from engine.types import Chunk, GenerateRequest
+
+
+def test_empty_question_is_rejected():
+    with pytest.raises(ValueError, match="question must not be empty"):
+        GenerateRequest(question="   ")
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan")])
+def test_recompute_ratio_outside_unit_interval_is_rejected(ratio):
+    with pytest.raises(ValueError, match="recompute_ratio must be in"):
+        GenerateRequest(question="q", recompute_ratio=ratio)
+
+
+def test_unknown_mode_is_rejected_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown mode 'turbo'.*cacheblend.*full_prefill"):
+        GenerateRequest(question="q", mode="turbo")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_tokens", 0, "max_tokens"),
+        ("temperature", -1.0, "temperature"),
+        ("top_p", 0.0, "top_p"),
+    ],
+)
+def test_bad_sampling_parameters_are_rejected(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        GenerateRequest(question="q", **{field: value})
+
+
+def test_prompt_longer_than_the_models_positions_is_rejected(engine_for):
+    engine = engine_for("llama")
+    huge = Chunk("big", " ".join(random_words(1500, 99)))
+    with pytest.raises(PromptTooLongError, match="maximum of 1024 positions"):
+        engine.generate(GenerateRequest(question="q", chunks=(huge,)))
+
+
+def test_unknown_model_path_is_rejected(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        load_model(str(tmp_path / "nowhere"))
+
+
+def test_unsupported_architecture_fails_at_load_listing_the_supported(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path
+    )
+    build_tokenizer(64).save_pretrained(tmp_path)
+    with pytest.raises(ModelNotSupportedError, match="'gpt2'.*llama, mistral, qwen2, qwen3"):
+        Engine.from_pretrained(str(tmp_path))
+
+
+def test_unknown_dtype_is_rejected(checkpoint_dir):
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        load_model(checkpoint_dir("llama"), dtype="float8")
+
+
+def test_check_layer_beyond_the_model_is_rejected(checkpoint_dir):
+    with pytest.raises(ValueError, match="check layers"):
+        Engine.from_pretrained(checkpoint_dir("llama"), check_layers=(9,))

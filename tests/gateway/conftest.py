@@ -1,0 +1,102 @@
+"""Fixtures of the gateway tests: real retriever, engine and gateway processes
+(`python -m ragblend ...`) on free loopback ports, a tiny random-init checkpoint, and a few
+ingested documents whose chunks are precomputed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.gateway.gateway_testutil import DOCUMENTS, Service, free_port, wait_precomputed
+
+# Short chunks counted in the engine's own tokens, so top_k of them fit its 1024 positions.
+CHUNK_TOKENS = "48"
+
+Spawn = Callable[..., Service]
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory) -> Iterator[Spawn]:
+    """spawn(name, *args, port=None, env=None): a started service; all stopped at the end."""
+    started: list[Service] = []
+    logs = tmp_path_factory.mktemp("service-logs")
+
+    def spawn(name: str, *args: str, port: int | None = None,
+              env: dict[str, str] | None = None) -> Service:
+        port = port or free_port()
+        service = Service(name, port, list(args), logs / f"{name}-{port}.log", env=env or {})
+        started.append(service)
+        return service.start()
+
+    yield spawn
+    for service in reversed(started):
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(checkpoint_dir) -> str:
+    return checkpoint_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def retriever(services: Spawn, tiny_model: str, tmp_path_factory) -> Service:
+    data = tmp_path_factory.mktemp("retriever")
+    return services("retriever", "--data-dir", str(data), "--tokenizer", tiny_model,
+                    "--chunk-tokens", CHUNK_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def spawn_engine(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
+    """An engine of the tiny model with its own KV folder; queue depth 1 so that two
+    generations saturate it."""
+
+    def spawn(*args: str, port: int | None = None) -> Service:
+        store = tmp_path_factory.mktemp("kv")
+        return services("engine", "--model", tiny_model, "--store-path", str(store),
+                        "--queue-depth", "1", *args, port=port)
+
+    return spawn
+
+
+@pytest.fixture(scope="session")
+def engine(spawn_engine: Spawn) -> Service:
+    return spawn_engine()
+
+
+@pytest.fixture(scope="session")
+def spawn_gateway(services: Spawn, retriever: Service) -> Spawn:
+    def spawn(*engines: Service, args: tuple[str, ...] = ()) -> Service:
+        urls = ",".join(e.url for e in engines)
+        return services("gateway", "--retriever-url", retriever.url, "--engine-urls", urls,
+                        "--default-top-k", "2", "--default-max-tokens", "4", *args)
+
+    return spawn
+
+
+@pytest.fixture(scope="session")
+def gateway(spawn_gateway: Spawn, engine: Service) -> Service:
+    return spawn_gateway(engine)
+
+
+@pytest.fixture(scope="session")
+def documents(gateway: Service) -> dict[str, list[str]]:
+    """doc_id -> chunk ids of the sample documents, ingested and precomputed."""
+    with httpx.Client(base_url=gateway.url, timeout=120.0) as client:
+        chunks = {}
+        for doc_id, text in DOCUMENTS.items():
+            response = client.post("/v1/documents", json={"text": text, "id": doc_id})
+            assert response.status_code == 200, response.text
+            chunks[doc_id] = response.json()["chunk_ids"]
+        for doc_id in DOCUMENTS:
+            assert wait_precomputed(client, doc_id)["precompute"]["status"] == "ready"
+    return chunks
+
+
+@pytest.fixture
+def client(gateway: Service, documents) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=120.0) as http:
+        yield http
+
+

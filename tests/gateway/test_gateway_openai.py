@@ -1,0 +1,79 @@
+"""The official openai client against /v1/chat/completions, /v1/completions and /v1/models."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+
+@pytest.fixture
+def openai_client(gateway, documents):
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_completion_answers_with_usage_counting_reused_chunk_tokens(openai_client):
+    reply = openai_client.chat.completions.create(
+        model="ragblend", max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": "Where does the Zorblax river flow?"}],
+        extra_body={"rag": {"top_k": 2, "mode": "cacheblend"}},
+    )
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert isinstance(reply.choices[0].message.content, str)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    usage = reply.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    assert [s["doc_id"] for s in reply.model_extra["rag"]["sources"]][0] == "rivers"
+
+
+def test_streamed_chat_completion_ends_with_a_usage_chunk_when_asked(openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model="ragblend", max_tokens=4, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "What grows in the Melbrook valley?"}],
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_chat_completion_has_no_usage_chunk_unless_asked(openai_client):
+    chunks = list(openai_client.chat.completions.create(
+        model="ragblend", max_tokens=3, stream=True,
+        messages=[{"role": "user", "content": "What grows in the Melbrook valley?"}],
+    ))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert all(c.usage is None for c in chunks)
+
+
+def test_completion_answers_the_prompt_streamed_and_not(openai_client):
+    reply = openai_client.completions.create(
+        model="ragblend", prompt="Which pass crosses the Vantir mountains?", max_tokens=4,
+    )
+    assert reply.object == "text_completion" and isinstance(reply.choices[0].text, str)
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0
+    chunks = list(openai_client.completions.create(
+        model="ragblend", prompt="Which pass crosses the Vantir mountains?", max_tokens=4,
+        stream=True, stream_options={"include_usage": True},
+    ))
+    assert chunks[-1].usage.completion_tokens >= 1
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert isinstance(text, str)
+
+
+def test_models_lists_the_configured_model_name(openai_client):
+    assert [m.id for m in openai_client.models.list()] == ["ragblend"]
+
+
+def test_streamed_chat_completion_ends_with_done(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+        "model": "ragblend", "max_tokens": 2, "stream": True,
+        "messages": [{"role": "user", "content": "Kessa pass?"}],
+    }) as response:
+        text = response.read().decode()
+    assert text.endswith("data: [DONE]\n\n")
+    assert all(block.startswith("data: ") for block in text.strip().split("\n\n"))

@@ -1,0 +1,226 @@
+"""Layer streaming: exact data from both tiers, real overlap of loading and compute bounded by
+the lookahead, prompt close, the documented error on a corrupt layer, and promotion."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import format as kvformat
+from kvstore.errors import KVStreamError
+from kvstore.store import KVStore, KVStoreConfig
+from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, flip_byte, key_of, make_kv
+
+pytestmark = pytest.mark.timeout(30)  # a hang is a failure, not a stuck run
+
+KEYS = [key_of(i) for i in range(8)]
+
+
+def _store(tmp_path: Path, memory_entries: int = 100, lookahead: int = 2) -> KVStore:
+    return KVStore(KVStoreConfig(
+        model_fingerprint=FINGERPRINT,
+        memory_budget_bytes=memory_entries * make_kv().nbytes * 4,
+        ssd_path=tmp_path / "kv",
+        ssd_budget_bytes=1 << 30,
+        lookahead=lookahead,
+    ))
+
+
+def _put_on_ssd_only(store: KVStore, key: str, kv) -> None:
+    store.put(key, kv)
+    store.flush()
+    store.memory.discard(key)
+
+
+def _loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kv-layer-loader"]
+
+
+def _open_entry_fds(folder: Path) -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [t for t in targets if t.startswith(str(folder))]
+
+
+def test_stream_delivers_exact_layers_from_memory_and_ssd(tmp_path: Path, dtype) -> None:
+    with _store(tmp_path) as store:
+        in_memory = make_kv(seed=1, dtype=dtype, num_tokens=3)
+        on_ssd = make_kv(seed=2, dtype=dtype, num_tokens=9)
+        store.put(KEYS[0], in_memory)
+        _put_on_ssd_only(store, KEYS[1], on_ssd)
+        with store.open_stream([KEYS[1], KEYS[2], KEYS[0]]) as stream:
+            assert stream.present == [True, False, True]
+            assert stream.tiers == ["ssd", None, "memory"]
+            for i in range(on_ssd.num_layers):
+                (k_ssd, v_ssd), (k_mem, v_mem) = stream.layer(i)
+                assert k_ssd.shape == (2, 9, 8) and k_mem.shape == (2, 3, 8)
+                assert torch.equal(k_ssd, on_ssd.keys[i]) and torch.equal(v_ssd, on_ssd.values[i])
+                assert torch.equal(k_mem, in_memory.keys[i])
+                assert torch.equal(v_mem, in_memory.values[i])
+        layer_bytes = (on_ssd.nbytes + in_memory.nbytes) // on_ssd.num_layers
+        assert [t.layer for t in stream.timings] == list(range(on_ssd.num_layers))
+        assert all(t.bytes_loaded == layer_bytes for t in stream.timings)
+        assert stream.stats.bytes_by_tier == {"ssd": on_ssd.nbytes, "memory": in_memory.nbytes}
+        assert set(stream.stats.load_s_by_tier) == {"ssd", "memory"}
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_loading_overlaps_compute_and_never_runs_more_than_lookahead_ahead(
+    tmp_path: Path, lookahead: int
+) -> None:
+    delay_s = compute_s = 0.02
+    num_layers = 8
+    with _store(tmp_path, lookahead=lookahead) as store:
+        for j in range(2):
+            _put_on_ssd_only(store, KEYS[j], make_kv(seed=j, num_layers=num_layers))
+        asked, compute_start, compute_end = [], [], []
+        with store.open_stream(KEYS[:2], read_delay_s=delay_s) as stream:
+            for i in range(num_layers):
+                asked.append(time.perf_counter())
+                stream.layer(i)
+                compute_start.append(time.perf_counter())
+                time.sleep(compute_s)  # the blender's recompute of layer i
+                compute_end.append(time.perf_counter())
+        loads = stream.timings
+    # Overlap: layer i's compute started before the loader finished layer i + lookahead, i.e.
+    # that load ran while layer i was being computed (for lookahead 1: layer i + 1).
+    for i in range(num_layers - lookahead):
+        assert compute_start[i] < loads[i + lookahead].load_end_s, i
+    # Bound: layer j is started only after the consumer asked for layer j - lookahead.
+    for j in range(lookahead, num_layers):
+        assert loads[j].load_start_s > asked[j - lookahead], j
+    assert all(t.load_end_s - t.load_start_s >= delay_s for t in loads)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_fast_loader_waits_for_a_slow_consumer(tmp_path: Path, lookahead: int) -> None:
+    with _store(tmp_path, lookahead=lookahead) as store:
+        _put_on_ssd_only(store, KEYS[0], make_kv(num_layers=8))
+        asked = []
+        with store.open_stream([KEYS[0]]) as stream:
+            time.sleep(0.05)  # the loader could load everything now, but may load `lookahead`
+            assert len(stream.timings) <= lookahead
+            for i in range(8):
+                asked.append(time.perf_counter())
+                stream.layer(i)
+                time.sleep(0.005)
+        for j in range(lookahead, 8):
+            assert stream.timings[j].load_start_s > asked[j - lookahead]
+
+
+def test_close_mid_stream_stops_the_loader_promptly_and_releases_files(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        for j in range(2):
+            _put_on_ssd_only(store, KEYS[j], make_kv(seed=j, num_layers=8))
+        stream = store.open_stream(KEYS[:2], read_delay_s=0.01)
+        stream.layer(0)
+        stream.layer(1)
+        slow = store.open_stream(KEYS[:2], read_delay_s=30.0)  # mid-delay of its first layer
+        started = time.perf_counter()
+        stream.close()
+        slow.close()
+        assert time.perf_counter() - started < 5.0  # far below the 30 s the loader would sleep
+        assert _loader_threads() == []
+        assert _open_entry_fds(tmp_path) == []
+        with pytest.raises(KVStreamError):
+            stream.layer(2)
+        store.flush()
+        assert store.lookup(KEYS[:2]) == ["ssd", "ssd"]  # partly read entries are not promoted
+
+
+def test_corrupt_layer_mid_stream_raises_stream_error_and_deletes_entry(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        good, bad = make_kv(seed=1, num_layers=6), make_kv(seed=2, num_layers=6)
+        store.put(KEYS[0], good)
+        _put_on_ssd_only(store, KEYS[1], bad)
+        path = store.ssd.file_path(KEYS[1])
+        header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[1])
+        flip_byte(path, header.layer_offset(3) + 10)
+        with store.open_stream(KEYS[:2]) as stream:
+            for i in range(3):
+                (k_good, _), (k_bad, v_bad) = stream.layer(i)
+                assert torch.equal(k_good, good.keys[i]) and torch.equal(v_bad, bad.values[i])
+            for i in (3, 4):
+                with pytest.raises(KVStreamError) as raised:
+                    stream.layer(i)
+                assert (raised.value.layer, raised.value.key) == (i, KEYS[1])
+        assert _loader_threads() == []
+        assert not path.exists()
+        assert store.lookup(KEYS[:2]) == ["memory", None]
+        assert store.stats().ssd.corrupt == 1
+
+
+def test_file_truncated_while_streaming_raises_stream_error(tmp_path: Path) -> None:
+    with _store(tmp_path, lookahead=0) as store:
+        kv = make_kv(num_layers=5)
+        _put_on_ssd_only(store, KEYS[0], kv)
+        path = store.ssd.file_path(KEYS[0])
+        header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[0])
+        with store.open_stream([KEYS[0]]) as stream:
+            assert torch.equal(stream.layer(0)[0][0], kv.keys[0])
+            os.truncate(path, header.layer_offset(2) + 100)  # lookahead 0: layer 1 not read yet
+            assert torch.equal(stream.layer(1)[0][1], kv.values[1])
+            with pytest.raises(KVStreamError, match="file ends") as raised:
+                stream.layer(2)
+            assert raised.value.layer == 2
+        assert store.lookup([KEYS[0]]) == [None] and store.stats().ssd.corrupt == 1
+
+
+def test_full_read_promotes_ssd_entries_to_memory(tmp_path: Path, dtype) -> None:
+    with _store(tmp_path) as store:
+        kv = make_kv(seed=5, dtype=dtype)
+        _put_on_ssd_only(store, KEYS[0], kv)
+        with store.open_stream([KEYS[0]]) as stream:
+            for i in range(kv.num_layers):
+                stream.layer(i)
+        store.flush()  # promotion runs on the store's worker thread
+        assert store.lookup([KEYS[0]]) == ["memory"]
+        assert_kv_equal(store.memory.get(KEYS[0]), kv)
+
+
+def test_stream_of_missing_chunks_yields_empty_layers(tmp_path: Path) -> None:
+    with _store(tmp_path) as store, store.open_stream(KEYS[:3]) as stream:
+        assert stream.present == [False, False, False]
+        assert [stream.layer(i) for i in range(4)] == [[], [], [], []]
+
+
+def test_layers_asked_out_of_order_are_a_value_error(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        store.put(KEYS[0], make_kv())
+        with store.open_stream([KEYS[0]]) as stream:
+            stream.layer(1)  # skipping ahead is allowed
+            with pytest.raises(ValueError):
+                stream.layer(0)
+            with pytest.raises(ValueError):
+                stream.layer(4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_stream_to_cuda_is_exact_from_both_tiers(tmp_path: Path, pin_memory: bool) -> None:
+    config = KVStoreConfig(model_fingerprint=FINGERPRINT, memory_budget_bytes=1 << 30,
+                           ssd_path=tmp_path / "kv", pin_memory=pin_memory)
+    in_memory = make_kv(seed=1, dtype=torch.bfloat16)
+    on_ssd = make_kv(seed=2, dtype=torch.bfloat16, num_tokens=9)
+    with KVStore(config) as store:
+        store.put(KEYS[0], in_memory)
+        _put_on_ssd_only(store, KEYS[1], on_ssd)
+        with store.open_stream([KEYS[0], KEYS[1]], device="cuda") as stream:
+            for i in range(4):
+                (k_mem, v_mem), (k_ssd, v_ssd) = stream.layer(i)
+                assert k_mem.is_cuda and k_ssd.is_cuda
+                torch.cuda.current_stream().synchronize()
+                assert torch.equal(k_mem.cpu(), in_memory.keys[i])
+                assert torch.equal(v_ssd.cpu(), on_ssd.values[i])
+        store.flush()
+        assert store.lookup([KEYS[1]]) == ["memory"]
+        assert store.memory.get(KEYS[1]).keys.is_pinned() == pin_memory
