@@ -1,19 +1,18 @@
 """Retriever benchmark (not a test): ingest throughput and search latency p50/p99 at 10k and
-100k chunks for the flat and HNSW indexes, in one run; prints a table, writes a CSV.
+100k chunks, flat vs HNSW, in one run; prints a table and writes bench/results/retriever.csv."""
 
-What is measured how:
-- ingest: the real RetrieverService (chunking, MiniLM embedding, SQLite commit, index add)
-  on a generated corpus of `--ingest-chunks` chunks of `--chunk-tokens` tokens.
-- embed: MiniLM alone on chunks of at most 256 tokens (its window), and one query at a time.
-- index build/search at 10k and 100k: embedding 100k chunks on 2 cores would take over an
-  hour, so those vectors are made from the real chunk embeddings of the ingest step (a random
-  mix of two plus Gaussian noise, sigma `--noise`, renormalised); queries likewise from real
-  query embeddings.
-  Search latency is one query at a time (k=5) through VectorIndex.search, FAISS only;
-  a service search adds the query embedding and one SQLite lookup (reported separately).
-
-Run: .venv/bin/python bench/retriever_bench.py  (about 5-10 minutes on 2 cores)
-"""
+# What is measured how:
+# - ingest: the real RetrieverService (chunking, MiniLM embedding, SQLite commit, index add)
+#   on a generated corpus of `--ingest-chunks` chunks of `--chunk-tokens` tokens.
+# - embed: MiniLM alone on chunks of at most 256 tokens (its window), and one query at a time.
+# - index build/search at 10k and 100k: embedding 100k chunks on 2 cores would take over an
+#   hour, so those vectors are made from the real chunk embeddings of the ingest step (a random
+#   mix of two plus Gaussian noise, sigma `--noise`, renormalised); queries likewise from real
+#   query embeddings.
+#   Search latency is one query at a time (k=5) through VectorIndex.search, FAISS only;
+#   a service search adds the query embedding and one SQLite lookup (reported separately).
+#
+# Run: .venv/bin/python bench/retriever_bench.py  (about 2 minutes on 2 cores)
 
 from __future__ import annotations
 

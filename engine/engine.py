@@ -39,6 +39,7 @@ from engine.types import (
 )
 from engine.worker import Priority, Worker
 from kvstore.errors import KVStreamError
+from kvstore.store import KVStore, KVStoreConfig
 from kvstore.types import ChunkKV, chunk_key
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Engine:
     def __init__(
         self,
         loaded: LoadedModel,
-        store,
+        store: KVStore,
         *,
         check_layers: tuple[int, ...] = (1,),
         recompute_ratio: float | None = None,
@@ -126,13 +127,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str, device: str = "cpu", dtype: str = "float32", store=None, **options
+        cls,
+        path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        store: KVStore | None = None,
+        **options,
     ) -> Engine:
         """Load `path` (checkpoint directory or cached hub id); the default store is memory-only."""
         loaded = load_model(path, device=device, dtype=dtype)
         if store is None:
-            from kvstore.store import KVStore, KVStoreConfig
-
             store = KVStore(
                 KVStoreConfig(
                     model_fingerprint=loaded.fingerprint, pin_memory=loaded.device.type == "cuda"
@@ -327,10 +331,16 @@ class Engine:
         return decision.recompute_ratio, checks or (decision.leading_layers,), decision
 
     def _observe(self, output: PrefillOutput, stream) -> None:
-        """Feed the controller what this prefill measured."""
-        if stream is not None:
-            for tier, num_bytes in stream.stats.bytes_by_tier.items():
-                self.controller.observe_load(tier, num_bytes, stream.stats.load_s_by_tier[tier])
+        """Feed the controller what this prefill measured: the loader's wall time per layer
+        (what the pipeline waits on, a mixed stream counted as its slowest tier) and the time
+        of the layers computed for every token."""
+        if stream is not None and stream.timings:
+            tier = "ssd" if "ssd" in stream.tiers else "memory"
+            self.controller.observe_load(
+                tier,
+                sum(t.bytes_loaded for t in stream.timings),
+                sum(t.load_end_s - t.load_start_s for t in stream.timings),
+            )
         widest = max((c.num_tokens for c in output.layer_computes), default=0)
         for c in output.layer_computes:
             if c.num_tokens == widest:

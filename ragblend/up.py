@@ -170,8 +170,10 @@ def run(args: argparse.Namespace) -> int:
         for name, port in ports.items():
             check_port_free(name, port)
         level = args.log_level
-        children.append(start("retriever", ports["retriever"],
-                              ["--data-dir", str(data_dir / "retriever")], level))
+        # Chunks are sized in the model's own tokens, so top_k of them fit its context.
+        children.append(start("retriever", ports["retriever"], [
+            "--data-dir", str(data_dir / "retriever"), "--tokenizer", model,
+        ], level))
         children.append(start("engine", ports["engine"],
                               ["--model", model, "--store-path", str(data_dir / "kv")], level))
         gateway = start("gateway", ports["gateway"], [

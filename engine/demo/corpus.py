@@ -125,9 +125,7 @@ class CorpusGenerator:
         if not chosen:
             chosen = others[:1]
         self.rng.shuffle(chosen)
-        return " ".join(
-            relations[r][0].format(s=entity.name, v=entity.facts[r]) for r in chosen
-        )
+        return " ".join(relations[r][0].format(s=entity.name, v=entity.facts[r]) for r in chosen)
 
     def pronoun_passage(self, entity: _Entity, relation: str) -> str:
         return self._relations(entity)[relation][1].format(v=entity.facts[relation])

@@ -4,6 +4,7 @@ at a full engine queue; a client that leaves frees the engine's worker."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -28,10 +29,13 @@ def wait_until(predicate, timeout_s: float, what: str) -> float:
     raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
-def first_delta(response: httpx.Response) -> None:
-    for line in response.iter_lines():
+def first_delta(response: httpx.Response) -> Iterator[str]:
+    """The stream's lines after its first delta. Keep a reference: dropping a half-read
+    iterator makes httpx close the connection, which is a disconnect."""
+    lines = response.iter_lines()
+    for line in lines:
         if line == "event: delta":
-            return
+            return lines
     raise AssertionError("the stream ended before its first delta")
 
 
@@ -44,7 +48,7 @@ def narrow_gateway(spawn_gateway, engine, documents):
 def test_gateway_at_its_concurrency_limit_answers_429_with_retry_after(narrow_gateway, engine):
     with httpx.Client(base_url=narrow_gateway.url, timeout=120) as http:
         with http.stream("POST", "/v1/query", json={**LONG, "stream": True}) as running:
-            first_delta(running)
+            lines = first_delta(running)
             refused = http.post("/v1/query", json={"question": "Kessa pass?"})
             assert refused.status_code == 429
             assert refused.headers["Retry-After"] == "3"
@@ -52,6 +56,7 @@ def test_gateway_at_its_concurrency_limit_answers_429_with_retry_after(narrow_ga
             chat = http.post("/v1/chat/completions",
                              json={"messages": [{"role": "user", "content": "hi"}]})
             assert chat.status_code == 429
+            assert next(lines)  # still streaming
         wait_until(lambda: engine_busy(engine) == (0, 0), 15, "the engine to go idle")
         assert http.post("/v1/query", json={"question": "Kessa pass?"}).status_code == 200
 
@@ -59,8 +64,9 @@ def test_gateway_at_its_concurrency_limit_answers_429_with_retry_after(narrow_ga
 def test_client_leaving_a_stream_cancels_the_engines_generation(narrow_gateway, engine):
     with httpx.Client(base_url=narrow_gateway.url, timeout=120) as http:
         with http.stream("POST", "/v1/query", json={**LONG, "stream": True}) as response:
-            first_delta(response)
+            lines = first_delta(response)
             assert engine_busy(engine)[0] == 1
+            assert next(lines)
         # 700 tokens take far longer than this; only a cancellation frees the worker so fast.
         wait_until(lambda: engine_busy(engine) == (0, 0), 10, "the engine to go idle")
         text = http.get("/metrics").text
@@ -80,11 +86,12 @@ def test_client_leaving_a_non_streamed_query_cancels_the_engines_generation(
 def test_full_engine_queue_is_a_429_naming_the_engine(gateway, engine, documents):
     with httpx.Client(base_url=gateway.url, timeout=120) as http:
         with http.stream("POST", "/v1/query", json={**LONG, "stream": True}) as running:
-            first_delta(running)
-            with http.stream("POST", "/v1/query", json={**LONG, "stream": True}) as _waiting:
+            lines = first_delta(running)
+            with http.stream("POST", "/v1/query", json={**LONG, "stream": True}):
                 wait_until(lambda: engine_busy(engine)[1] == 1, 15, "a generation to wait")
                 refused = http.post("/v1/query", json={"question": "Kessa pass?"})
                 assert refused.status_code == 429
                 assert refused.json()["detail"].startswith("engine busy")
                 assert "Retry-After" in refused.headers
+                assert next(lines)
         wait_until(lambda: engine_busy(engine) == (0, 0), 15, "the engine to go idle")

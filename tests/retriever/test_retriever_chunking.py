@@ -89,3 +89,14 @@ def test_blank_text_gives_no_chunks_and_bad_overlap_is_rejected(tokenizer):
     assert chunk_text("  \n\n ", tokenizer, max_tokens=16) == []
     with pytest.raises(ValueError, match="overlap_tokens"):
         chunk_text("some text", tokenizer, max_tokens=16, overlap_tokens=16)
+
+
+def test_configured_llm_tokenizer_is_loaded_from_a_path_and_used_for_chunking(tokenizer, tmp_path):
+    from retriever.service import load_tokenizer
+    from retriever.settings import RetrieverSettings
+
+    tokenizer.save_pretrained(tmp_path / "llm-tokenizer")
+    settings = RetrieverSettings(tokenizer=str(tmp_path / "llm-tokenizer"), data_dir=tmp_path)
+    loaded = load_tokenizer(settings, embedder=None)  # type: ignore[arg-type]
+    text = _paragraphs(5)
+    assert chunk_text(text, loaded, 64) == chunk_text(text, tokenizer, 64)

@@ -1,6 +1,5 @@
-"""Crash consistency of the real process: killed while ingesting a large document, or
-right after writes its index file does not hold yet, it restarts with catalog and index
-agreeing and every document either whole or absent."""
+"""Crash consistency of the real process: killed mid-ingest or after writes its index file
+lacks, it restarts with catalog and index agreeing and each document whole or absent."""
 
 from __future__ import annotations
 

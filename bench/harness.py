@@ -1,0 +1,132 @@
+"""Shared setup of the engine benchmarks: a random-init model of a real shape, a prompt of
+random tokens laid out like the engine's, and a timer that reports medians."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.engine import Engine
+from engine.model import LoadedModel, model_fingerprint, parse_dtype
+from engine.prompt import PromptLayout
+from engine.synthetic import build_tokenizer, model_config
+from kvstore.store import KVStore, KVStoreConfig
+
+SHAPES = {
+    "llama-124m": dict(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        max_positions=8192,
+    ),
+    "mistral-7b": dict(
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        max_positions=32768,
+    ),
+}
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Device, model shape and prompt: the CPU workload by default, 8K tokens of a 7B on CUDA."""
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shape", choices=SHAPES, default="mistral-7b" if cuda else "llama-124m")
+    parser.add_argument("--chunks", type=int, default=16 if cuda else 6)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--question-tokens", type=int, default=32)
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--repeats", type=int, default=5)
+
+
+def build_model(shape: str, device: str, dtype: str) -> LoadedModel:
+    family = "mistral" if shape.startswith("mistral") else "llama"
+    tokenizer = build_tokenizer()
+    config = model_config(family, vocab_size=32000, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype))
+    model.eval().requires_grad_(False)
+    return LoadedModel(
+        model,
+        tokenizer,
+        model_fingerprint(model),
+        torch.device(device),
+        parse_dtype(dtype),
+        f"random:{shape}",
+    )
+
+
+def build_engine(
+    loaded: LoadedModel,
+    memory_budget_bytes: int = 64 * 1024**3,
+    ssd_path: str | None = None,
+    **options,
+) -> Engine:
+    store = KVStore(
+        KVStoreConfig(
+            model_fingerprint=loaded.fingerprint,
+            memory_budget_bytes=memory_budget_bytes,
+            ssd_path=ssd_path,
+            pin_memory=loaded.device.type == "cuda",
+        )
+    )
+    return Engine(loaded, store, **options)
+
+
+def random_layout(
+    engine: Engine, num_chunks: int, chunk_tokens: int, question_tokens: int, seed: int = 0
+) -> PromptLayout:
+    rng = random.Random(seed)
+    special = set(engine.tokenizer.all_special_ids)
+    choices = [t for t in range(len(engine.tokenizer)) if t not in special]
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.choice(choices) for _ in range(n))
+
+    prefix = engine.prompts.build("q", []).prefix
+    return PromptLayout(
+        prefix, tuple(tokens(chunk_tokens) for _ in range(num_chunks)), tokens(question_tokens)
+    )
+
+
+def store_chunks(engine: Engine, layout: PromptLayout) -> None:
+    for tokens in layout.chunks:
+        engine.store.put(engine.chunk_key(tokens), engine.compute_chunk_kv(tokens))
+    engine.store.flush()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(
+    run: Callable[[], object],
+    repeats: int,
+    device: torch.device,
+    before: Callable[[], None] = lambda: None,
+) -> tuple[float, float, object]:
+    """Median and stdev of `run` over `repeats` timed calls after one warm-up; the last result."""
+    samples, result = [], None
+    for _ in range(repeats + 1):
+        before()
+        synchronize(device)
+        start = time.perf_counter()
+        result = run()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    samples = samples[1:]
+    return statistics.median(samples), statistics.pstdev(samples), result
