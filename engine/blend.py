@@ -81,6 +81,7 @@ def run_prefill(
         active = torch.cat([active, blend_positions]).sort().values
     is_blend = torch.isin(active, blend_positions)
     blocks = runner.attention_blocks(active.tolist())
+    cos_active, sin_active = cos[active], sin[active]
     h = runner.embed(torch.tensor(plan.token_ids, device=device)[active])
 
     # Before the first check layer every blended token is recomputed: its cached KV is not
@@ -107,8 +108,8 @@ def run_prefill(
         q, k, v = runner.project_qkv(i, h)
         if pre_rope is not None:
             pre_rope[i][:, active] = k
-        q = runner.rotate(q, cos[active], sin[active])
-        k_layer[:, active] = runner.rotate(k, cos[active], sin[active])
+        q = runner.rotate(q, cos_active, sin_active)
+        k_layer[:, active] = runner.rotate(k, cos_active, sin_active)
         v_layer[:, active] = v
 
         if i in ratios:
@@ -123,6 +124,7 @@ def run_prefill(
             keep[is_blend.nonzero()[chosen, 0]] = True
             active, is_blend, h, q = active[keep], is_blend[keep], h[keep], q[:, keep]
             blocks = runner.attention_blocks(active.tolist())
+            cos_active, sin_active = cos[active], sin[active]
 
         attn_out = runner.attend(i, q, k_layer, v_layer, active, blocks)
         h = runner.finish_layer(i, h, attn_out)

@@ -4,6 +4,8 @@ write-back) between them, one chunk at a time, and a bounded wait line."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import itertools
 import logging
 import queue
@@ -57,7 +59,9 @@ class Worker:
             if priority is Priority.GENERATE and self._waiting[priority] >= self.max_waiting:
                 raise QueueFullError(f"{self._waiting[priority]} generations are already waiting")
             self._waiting[priority] += 1
-        self._queue.put((priority, next(self._order), fn, future))
+        # The worker runs `fn` in the caller's context: its log lines keep the request id.
+        context = contextvars.copy_context()
+        self._queue.put((priority, next(self._order), functools.partial(context.run, fn), future))
         return future
 
     async def run(self, fn: Callable[[], Any], priority: Priority = Priority.GENERATE) -> Any:

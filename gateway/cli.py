@@ -4,11 +4,8 @@ from flags or RAGBLEND_GATEWAY_*)."""
 from __future__ import annotations
 
 import argparse
-import logging
 
 from pydantic import ValidationError
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 
 
 def add_parser(subparsers) -> None:
@@ -32,14 +29,6 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def _log_request_ids() -> None:
-    from gateway.context import RequestIdFilter
-
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RequestIdFilter())
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -52,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
         settings = GatewaySettings(**overrides)
     except ValidationError as exc:
         raise SystemExit(f"ragblend gateway: invalid settings:\n{exc}") from None
-    _log_request_ids()
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -33,7 +33,7 @@ class DependencyRejectedError(GatewayDependencyError):
     """A dependency refused the request (4xx other than 429), e.g. a prompt too long for the
     model or an unknown document; the status and its detail are passed on."""
 
-    def __init__(self, dependency: str, status_code: int, detail: object):
+    def __init__(self, dependency: str, status_code: int, detail: str):
         super().__init__(f"{dependency} rejected the request ({status_code}): {detail}")
         self.dependency = dependency
         self.status_code = status_code

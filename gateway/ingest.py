@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 
 from gateway.clients.engine import EnginePool
@@ -19,12 +18,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class IngestStatus:
     doc_id: str
-    chunk_ids: list[str]
     status: str = "pending"  # pending -> ready | failed
     error: str | None = None
     engines: dict[str, str] = field(default_factory=dict)  # url -> "stored N, skipped M" | error
-    started_at: float = field(default_factory=time.time)
-    finished_at: float | None = None
 
 
 class IngestTracker:
@@ -44,11 +40,11 @@ class IngestTracker:
         """None when this gateway process has not ingested the document."""
         return self._statuses.get(doc_id)
 
-    def start(self, doc_id: str, chunk_ids: list[str], *, request_id: str) -> IngestStatus:
+    def start(self, doc_id: str, *, request_id: str) -> IngestStatus:
         previous = self._tasks.pop(doc_id, None)
         if previous is not None:
             previous.cancel()  # a re-ingest replaces the chunks the old task was storing
-        status = IngestStatus(doc_id, chunk_ids)
+        status = IngestStatus(doc_id)
         self._statuses[doc_id] = status
         self._tasks[doc_id] = asyncio.create_task(self._run(status, request_id))
         return status
@@ -100,7 +96,7 @@ class IngestTracker:
             self._finish(status, "failed", "precompute failed on every engine")
 
     def _finish(self, status: IngestStatus, state: str, error: str | None) -> None:
-        status.status, status.error, status.finished_at = state, error, time.time()
+        status.status, status.error = state, error
         self.metrics.documents.labels(state).inc()
         log.info("document %s precompute %s%s", status.doc_id, state,
                  f": {error}" if error else "")

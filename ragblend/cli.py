@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+
+from ragblend.request_id import configure_logging
 
 SUBCOMMAND_MODULES = (
     "engine.cli",
@@ -29,7 +30,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     return int(args.run(args) or 0)

@@ -66,6 +66,8 @@ def resolve_model(explicit: str | None) -> str:
 
 def check_port_free(name: str, port: int) -> None:
     with socket.socket() as sock:
+        # As uvicorn does: a port whose old connections linger in TIME_WAIT is free to it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
@@ -115,7 +117,7 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
     import httpx
     from tqdm import tqdm
 
-    from retriever.extract import extract_text, is_supported
+    from retriever.extract import ExtractionError, extract_text, is_supported
 
     with httpx.Client(base_url=gateway.url, timeout=600.0) as client:
         if client.get("/v1/documents", params={"limit": 1}).json()["total"] > 0:
@@ -123,7 +125,12 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
         files = sorted(p for p in folder.rglob("*") if p.is_file() and is_supported(p.name))
         failed = 0
         for path in tqdm(files, desc="ingesting sample documents", unit="doc", file=sys.stderr):
-            extracted = extract_text(path.name, path.read_bytes())
+            try:
+                extracted = extract_text(path.name, path.read_bytes())
+            except (ExtractionError, OSError) as exc:
+                failed += 1
+                print(f"  {path.name}: {exc}", file=sys.stderr)
+                continue
             response = client.post("/v1/documents", json={
                 "text": extracted.text, "metadata": {**extracted.metadata, "source": path.name},
             })
@@ -137,6 +144,9 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
 
 def stop_all(children: list[Child]) -> None:
     """SIGTERM the gateway first (it drains its streams), then the others; SIGKILL on timeout."""
+    # A second Ctrl-C must not abandon the children half-stopped; the timeout bounds the wait.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for child in reversed(children):
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)

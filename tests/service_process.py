@@ -45,7 +45,7 @@ class ServiceProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def client(self, timeout_s: float = 60.0) -> httpx.Client:
+    def client(self, timeout_s: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout_s)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:

@@ -16,6 +16,7 @@ from engine.metrics import EngineMetrics
 from engine.model import load_model
 from engine.settings import GIB, EngineSettings
 from kvstore.store import KVStore, KVStoreConfig
+from ragblend.request_id import RequestIdMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ def create_app(settings: EngineSettings) -> FastAPI:
             content={"detail": "; ".join(problems), "errors": jsonable(exc.errors())},
         )
 
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(generate.router)
     app.include_router(precompute.router)
     app.include_router(health.router)

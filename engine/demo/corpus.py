@@ -54,6 +54,23 @@ MULTI_QUESTIONS = {
 }
 
 
+def _name_pool(size: int, seed: int = 12345) -> tuple[str, ...]:
+    """Invented two-syllable names. The pool is fixed (the tokenizer learns each name as one
+    token); which name has which facts is drawn afresh for every example."""
+    rng = random.Random(seed)
+    names: set[str] = set()
+    while len(names) < size:
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(2)
+        )
+        if 4 <= len(word) <= 8:
+            names.add(word.capitalize())
+    return tuple(sorted(names))
+
+
+NAMES = _name_pool(400)
+
+
 @dataclass(frozen=True)
 class Example:
     question: str
@@ -82,17 +99,11 @@ class CorpusGenerator:
 
     # -- entities --------------------------------------------------------------------------
     def name(self) -> str:
+        """A name from the fixed pool, not yet used in the current example."""
         while True:
-            syllables = self.rng.choice((2, 2, 2, 3))
-            word = "".join(
-                self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(_CODAS)
-                for _ in range(syllables)
-            )
-            word = word.capitalize()
-            if word not in self._used and 4 <= len(word) <= 9:
+            word = self.rng.choice(NAMES)
+            if word not in self._used:
                 self._used.add(word)
-                if len(self._used) > 5000:
-                    self._used.clear()
                 return word
 
     def _value(self, relation: str) -> str:
@@ -150,6 +161,7 @@ class CorpusGenerator:
         return [self.named_passage(entity, rel, None)]
 
     def example(self, kind: str) -> Example:
+        self._used = set()
         n_passages = self.rng.randint(self.min_passages, self.max_passages)
         gold_units: list[list[str]]
         if kind == "single":

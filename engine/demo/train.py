@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--aux-weight", type=float, default=0.1)
+    parser.add_argument("--aux-weight", type=float, default=0.5)
+    parser.add_argument("--short-steps", type=int, default=300, help="steps of 2-3 passages")
     parser.add_argument("--eval-every", type=int, default=250)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
     )
     generator = CorpusGenerator(args.seed)
+    # A short curriculum: the first steps see 2-3 passages, so the copying heads form sooner.
+    warmup_generator = CorpusGenerator(args.seed + 1, min_passages=2, max_passages=3)
     validation = [CorpusGenerator(VALIDATION_SEED).example(KINDS[i % 3]) for i in range(240)]
 
     started = time.monotonic()
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                        elapsed_min / args.minutes)  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(progress, step, args.lr, args.warmup)
-        examples = list(generator.examples(args.batch, TRAIN_WEIGHTS))
+        source = warmup_generator if step < args.short_steps else generator
+        examples = list(source.examples(args.batch, TRAIN_WEIGHTS))
         batch = collate([encode(builder, e) for e in examples], tokenizer.pad_token_id)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             answer_loss, rest_loss, _ = losses(model, batch)

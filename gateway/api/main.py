@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
-from gateway.api import errors
+from gateway.api import handlers
 from gateway.api.middleware import Admission, GatewayMiddleware
 from gateway.api.routes import documents, health, openai, query
 from gateway.clients.engine import EnginePool
@@ -66,7 +66,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="ragblend gateway", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
-    errors.install(app)
+    handlers.install(app)
     app.include_router(query.router)
     app.include_router(openai.router)
     app.include_router(documents.router)

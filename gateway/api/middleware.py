@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.context import request_id_var
 from gateway.metrics import GatewayMetrics
+from ragblend.request_id import HEADER as REQUEST_ID_HEADER
+from ragblend.request_id import request_id_of, request_id_var
 
-REQUEST_ID_HEADER = b"x-request-id"
 # The routes that occupy an engine: only these count against max_concurrency.
 ADMITTED_PATHS = frozenset({"/v1/query", "/v1/chat/completions", "/v1/completions"})
 
@@ -51,7 +50,7 @@ class GatewayMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        request_id = _request_id(scope)
+        request_id = request_id_of(scope)
         token = request_id_var.set(request_id)
         state = scope.setdefault("state", {})
         state["request_id"], state["arrived_at"] = request_id, started
@@ -81,8 +80,7 @@ class GatewayMiddleware:
                     self.admission.leave()
                     self.metrics.in_flight.dec()
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
+            label = _route_label(scope, admitted)
             elapsed_s = time.perf_counter() - started
             self.metrics.requests.labels(label, scope["method"], str(status)).inc()
             self.metrics.request_seconds.labels(label, scope["method"], str(status)).observe(
@@ -105,11 +103,11 @@ class GatewayMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def _request_id(scope: Scope) -> str:
-    for name, value in scope.get("headers", []):
-        if name == REQUEST_ID_HEADER:
-            # A client's id is kept (so its logs join ours) but bounded and printable.
-            text = value.decode("latin-1").strip()[:128]
-            if text.isprintable() and text:
-                return text
-    return uuid.uuid4().hex
+def _route_label(scope: Scope, admitted: bool) -> str:
+    """The route's template (bounded label values); a refused query never reached routing."""
+    route = scope.get("route")
+    if route is not None:
+        return route.path
+    return scope["path"] if admitted else "unmatched"
+
+

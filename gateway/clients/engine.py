@@ -109,7 +109,10 @@ class EnginePool:
                 log.warning("engine %s is down (%s); failing over", url, exc)
                 continue
             except httpx.TransportError as exc:
-                raise self.upstream.unavailable(exc) from exc
+                self.upstream.on_error(self.upstream.name, "unavailable")
+                raise DependencyUnavailableError(
+                    "engine", f"{url}: {type(exc).__name__} before its answer began"
+                ) from exc
             if response.status_code == 503:  # up but its model is not loaded yet
                 await response.aclose()
                 self.upstream.on_error(self.upstream.name, "unavailable")

@@ -24,12 +24,20 @@ REQUEST_ID_HEADER = "X-Request-ID"
 ErrorHook = Callable[[str, str], None]  # (dependency, kind) -> None, for metrics
 
 
-def detail_of(response: httpx.Response) -> Any:
+def detail_of(response: httpx.Response) -> str:
+    """The `detail` of a FastAPI error body as one line (pydantic error lists included)."""
     try:
         body = response.json()
     except ValueError:
         return response.text[:500]
-    return body.get("detail", body) if isinstance(body, dict) else body
+    detail: Any = body.get("detail", body) if isinstance(body, dict) else body
+    if isinstance(detail, list):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
+            f"{e.get('msg')}" if isinstance(e, dict) else str(e)
+            for e in detail
+        )
+    return str(detail)
 
 
 class Upstream:
@@ -97,7 +105,7 @@ class Upstream:
         if status == 429:
             self.on_error(self.name, "busy")
             return DependencyBusyError(
-                self.name, str(detail), response.headers.get("Retry-After", "1")
+                self.name, detail, response.headers.get("Retry-After", "1")
             )
         if status == 503:
             self.on_error(self.name, "unavailable")

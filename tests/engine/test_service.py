@@ -118,6 +118,16 @@ def test_precompute_then_generate_gives_the_python_api_text(service, checkpoint)
         assert "".join(d["text"] for _, d in deltas) == last["text"] == expected.text
 
 
+def test_the_request_id_is_echoed_and_logged(service):
+    with service.client() as client:
+        reply = client.post(
+            "/v1/generate", json=body(max_tokens=2), headers={"X-Request-ID": "trace-4711"}
+        )
+    assert reply.status_code == 200
+    assert reply.headers["x-request-id"] == "trace-4711"
+    assert "[trace-4711]: generated mode=cacheblend" in service.log()
+
+
 def test_controller_choice_is_reported_when_no_ratio_is_given(service):
     with service.client() as client:
         client.post("/v1/precompute", json={"chunks": CHUNKS}).raise_for_status()

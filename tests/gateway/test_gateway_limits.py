@@ -57,6 +57,11 @@ def test_gateway_at_its_concurrency_limit_answers_429_with_retry_after(narrow_ga
                              json={"messages": [{"role": "user", "content": "hi"}]})
             assert chat.status_code == 429
             assert next(lines)  # still streaming
+            text = http.get("/metrics").text
+            assert metric_value(text, "ragblend_gateway_rejected_requests_total") == 2
+            assert metric_value(text, "ragblend_gateway_requests_total", route="/v1/query",
+                                status="429") == 1
+            assert metric_value(text, "ragblend_gateway_in_flight_requests") == 1
         wait_until(lambda: engine_busy(engine) == (0, 0), 15, "the engine to go idle")
         assert http.post("/v1/query", json={"question": "Kessa pass?"}).status_code == 200
 

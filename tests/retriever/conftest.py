@@ -3,80 +3,25 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 180.0
+from tests.service_process import REPO_ROOT, ServiceProcess, service_env, start_service
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def service_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    env.update(extra)
-    return env
-
-
-@dataclass
-class RetrieverProcess:
-    url: str
-    data_dir: Path
-    log_path: Path
-    proc: subprocess.Popen
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, timeout_s: float = 120.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout_s)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        """Send `sig` and wait for the process to end; returns its exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout_s)
+RetrieverProcess = ServiceProcess
 
 
 def start_retriever(
     data_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
-) -> RetrieverProcess:
+) -> ServiceProcess:
     """Start the service and wait until /health answers 200; fails with its log otherwise."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "ragblend", "retriever", "--host", "127.0.0.1",
-           "--port", str(port), "--data-dir", str(data_dir), *args]
-    log_file = open(log_path, "ab")  # noqa: SIM115 - the child keeps writing to it
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                            env=env or service_env())
-    log_file.close()
-    service = RetrieverProcess(f"http://127.0.0.1:{port}", data_dir, log_path, proc)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"retriever exited with {proc.returncode}:\n{service.log()[-4000:]}")
-        try:
-            if httpx.get(f"{service.url}/health", timeout=2.0).status_code == 200:
-                return service
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    service.stop(signal.SIGKILL)
-    pytest.fail(f"retriever did not become healthy:\n{service.log()[-4000:]}")
+    return start_service("retriever", ["--data-dir", str(data_dir), *args], log_path, env=env)
 
 
 def make_pdf(pages: list[str]) -> bytes:

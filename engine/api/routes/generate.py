@@ -55,8 +55,24 @@ async def generate(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     result = await _until_done_or_disconnect(generation, http)
-    metrics.observe(request.mode, result)
+    _record(metrics, request.mode, result)
     return GenerateResponse.from_result(result)
+
+
+def _record(metrics, mode: Mode, result: GenerateResult) -> None:
+    metrics.observe(mode, result)
+    log.info(
+        "generated mode=%s prompt=%d cached=%d recomputed=%d completion=%d ratio=%.2f "
+        "ttft=%.3fs overlap=%.2f",
+        mode.value,
+        result.usage.prompt_tokens,
+        result.usage.cached_tokens,
+        result.usage.recomputed_tokens,
+        result.usage.completion_tokens,
+        result.blend.recompute_ratio,
+        result.timings.ttft_s,
+        result.timings.overlap,
+    )
 
 
 async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[str]:
@@ -64,7 +80,7 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
     try:
         async for event in generation:
             if isinstance(event, GenerateResult):
-                metrics.observe(mode, event)
+                _record(metrics, mode, event)
                 yield sse("result", GenerateResponse.from_result(event).model_dump())
             elif event.text:
                 yield sse("delta", {"text": event.text})

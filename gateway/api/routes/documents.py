@@ -27,7 +27,7 @@ async def create_document(
         await request.body(), request.headers.get("content-type", "application/json"),
         request_id=request_id,
     )
-    status = ingest.start(created["doc_id"], created["chunk_ids"], request_id=request_id)
+    status = ingest.start(created["doc_id"], request_id=request_id)
     return DocumentCreated(
         doc_id=created["doc_id"], chunk_ids=created["chunk_ids"], status=created["status"],
         num_tokens=created.get("num_tokens"), precompute=PrecomputeOut.of(status),

@@ -71,6 +71,7 @@ class QueryResponse(BaseModel):
     timings: TimingsOut
     blend: dict[str, Any]
     engine: str = Field(description="URL of the engine that answered")
+    chunk_tiers: list[str | None] = Field(description="per chunk, where its KV came from")
     request_id: str
 
     @classmethod
@@ -90,5 +91,6 @@ class QueryResponse(BaseModel):
             ),
             blend=outcome.blend,
             engine=outcome.engine_url,
+            chunk_tiers=outcome.chunk_tiers,
             request_id=request_id,
         )
