@@ -1,7 +1,5 @@
-"""Starting a ragblend service as a real process on a free 127.0.0.1 port, for the tests.
-
-(Imported as tests.service_process.)
-"""
+"""A ragblend service as a real process on a 127.0.0.1 port, restartable on that port, for
+the tests. (Imported as tests.service_process.)"""
 
 from __future__ import annotations
 
@@ -11,13 +9,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 180.0
 
 
 def free_port() -> int:
@@ -35,12 +34,19 @@ def service_env(**extra: str) -> dict[str, str]:
 
 
 @dataclass
-class ServiceProcess:
+class Service:
+    """`python -m ragblend NAME --host 127.0.0.1 --port PORT ARGS...`; `env` adds variables."""
+
     name: str
-    url: str
-    port: int
+    args: list[str]
     log_path: Path
-    proc: subprocess.Popen
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -48,8 +54,46 @@ class ServiceProcess:
     def client(self, timeout_s: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout_s)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        """Send `sig` and wait for the process to end; returns its exit code."""
+    def start(self, ready_path: str = "/health") -> Service:
+        """(Re)start on the same port and wait until `ready_path` answers 200."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "ragblend",
+            self.name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=REPO_ROOT,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=service_env(**self.env),
+            )
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}{ready_path}", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        pytest.fail(f"{self.name} did not become ready:\n{self.log()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
+        """Send `sig` and wait for the end (SIGKILL after `timeout_s`); the exit code."""
+        if self.proc is None:
+            return None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -60,40 +104,6 @@ class ServiceProcess:
 
 
 def start_service(
-    name: str,
-    args: list[str],
-    log_path: Path,
-    port: int | None = None,
-    env: dict[str, str] | None = None,
-    timeout_s: float = 180.0,
-) -> ServiceProcess:
-    """`python -m ragblend NAME --host 127.0.0.1 --port P ARGS...`, once /health answers 200."""
-    port = port or free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "ragblend",
-        name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *args,
-    ]
-    with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env or service_env()
-        )
-    service = ServiceProcess(name, f"http://127.0.0.1:{port}", port, log_path, proc)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{name} exited with {proc.returncode}:\n{service.log()[-4000:]}")
-        try:
-            if httpx.get(f"{service.url}/health", timeout=2.0).status_code == 200:
-                return service
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    service.stop(signal.SIGKILL)
-    pytest.fail(f"{name} did not become healthy:\n{service.log()[-4000:]}")
+    name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Service:
+    return Service(name, list(args), log_path, env=env or {}).start()

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.gateway.gateway_testutil import DOCUMENTS, Service, free_port, wait_precomputed
+from tests.gateway.gateway_testutil import DOCUMENTS, wait_precomputed
+from tests.service_process import Service, free_port
 
 # Short chunks counted in the engine's own tokens, so top_k of them fit its 1024 positions.
 CHUNK_TOKENS = "48"
@@ -23,10 +24,11 @@ def services(tmp_path_factory) -> Iterator[Spawn]:
     started: list[Service] = []
     logs = tmp_path_factory.mktemp("service-logs")
 
-    def spawn(name: str, *args: str, port: int | None = None,
-              env: dict[str, str] | None = None) -> Service:
+    def spawn(
+        name: str, *args: str, port: int | None = None, env: dict[str, str] | None = None
+    ) -> Service:
         port = port or free_port()
-        service = Service(name, port, list(args), logs / f"{name}-{port}.log", env=env or {})
+        service = Service(name, list(args), logs / f"{name}-{port}.log", port, env=env or {})
         started.append(service)
         return service.start()
 
@@ -43,8 +45,15 @@ def tiny_model(checkpoint_dir) -> str:
 @pytest.fixture(scope="session")
 def retriever(services: Spawn, tiny_model: str, tmp_path_factory) -> Service:
     data = tmp_path_factory.mktemp("retriever")
-    return services("retriever", "--data-dir", str(data), "--tokenizer", tiny_model,
-                    "--chunk-tokens", CHUNK_TOKENS)
+    return services(
+        "retriever",
+        "--data-dir",
+        str(data),
+        "--tokenizer",
+        tiny_model,
+        "--chunk-tokens",
+        CHUNK_TOKENS,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -54,8 +63,17 @@ def spawn_engine(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
 
     def spawn(*args: str, port: int | None = None) -> Service:
         store = tmp_path_factory.mktemp("kv")
-        return services("engine", "--model", tiny_model, "--store-path", str(store),
-                        "--queue-depth", "1", *args, port=port)
+        return services(
+            "engine",
+            "--model",
+            tiny_model,
+            "--store-path",
+            str(store),
+            "--queue-depth",
+            "1",
+            *args,
+            port=port,
+        )
 
     return spawn
 
@@ -69,8 +87,18 @@ def engine(spawn_engine: Spawn) -> Service:
 def spawn_gateway(services: Spawn, retriever: Service) -> Spawn:
     def spawn(*engines: Service, args: tuple[str, ...] = ()) -> Service:
         urls = ",".join(e.url for e in engines)
-        return services("gateway", "--retriever-url", retriever.url, "--engine-urls", urls,
-                        "--default-top-k", "2", "--default-max-tokens", "4", *args)
+        return services(
+            "gateway",
+            "--retriever-url",
+            retriever.url,
+            "--engine-urls",
+            urls,
+            "--default-top-k",
+            "2",
+            "--default-max-tokens",
+            "4",
+            *args,
+        )
 
     return spawn
 
@@ -98,5 +126,3 @@ def documents(gateway: Service) -> dict[str, list[str]]:
 def client(gateway: Service, documents) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, timeout=120.0) as http:
         yield http
-
-

@@ -7,10 +7,14 @@ from tests.gateway.gateway_testutil import wait_precomputed
 
 
 def test_json_ingest_goes_pending_then_ready_with_chunks_stored_on_the_engine(client, engine):
-    response = client.post("/v1/documents", json={
-        "text": "The lighthouse of Porvik is painted red and white. Its keeper is Ilsa Dorn.",
-        "metadata": {"topic": "lighthouse"}, "id": "porvik",
-    })
+    response = client.post(
+        "/v1/documents",
+        json={
+            "text": "The lighthouse of Porvik is painted red and white. Its keeper is Ilsa Dorn.",
+            "metadata": {"topic": "lighthouse"},
+            "id": "porvik",
+        },
+    )
     assert response.status_code == 200, response.text
     created = response.json()
     assert created["doc_id"] == "porvik" and created["chunk_ids"]
@@ -24,7 +28,8 @@ def test_json_ingest_goes_pending_then_ready_with_chunks_stored_on_the_engine(cl
 
 def test_upload_ingest_accepts_the_retrievers_multipart_form(client):
     response = client.post(
-        "/v1/documents", files={"file": ("notes.txt", b"Harbor notes: the ferry leaves at dawn.")},
+        "/v1/documents",
+        files={"file": ("notes.txt", b"Harbor notes: the ferry leaves at dawn.")},
         data={"id": "harbor-notes", "metadata": '{"kind": "notes"}'},
     )
     assert response.status_code == 200, response.text

@@ -16,8 +16,10 @@ LONG = {"question": "Tell me everything about Quendor.", "max_tokens": 700, "top
 
 def engine_busy(engine) -> tuple[float, float]:
     text = httpx.get(f"{engine.url}/metrics", timeout=10).text
-    return (metric_value(text, "ragblend_engine_requests_running"),
-            metric_value(text, "ragblend_engine_requests_waiting"))
+    return (
+        metric_value(text, "ragblend_engine_requests_running"),
+        metric_value(text, "ragblend_engine_requests_waiting"),
+    )
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> float:
@@ -53,14 +55,19 @@ def test_gateway_at_its_concurrency_limit_answers_429_with_retry_after(narrow_ga
             assert refused.status_code == 429
             assert refused.headers["Retry-After"] == "3"
             assert "max_concurrency" in refused.json()["detail"]
-            chat = http.post("/v1/chat/completions",
-                             json={"messages": [{"role": "user", "content": "hi"}]})
+            chat = http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+            )
             assert chat.status_code == 429
             assert next(lines)  # still streaming
             text = http.get("/metrics").text
             assert metric_value(text, "ragblend_gateway_rejected_requests_total") == 2
-            assert metric_value(text, "ragblend_gateway_requests_total", route="/v1/query",
-                                status="429") == 1
+            assert (
+                metric_value(
+                    text, "ragblend_gateway_requests_total", route="/v1/query", status="429"
+                )
+                == 1
+            )
             assert metric_value(text, "ragblend_gateway_in_flight_requests") == 1
         wait_until(lambda: engine_busy(engine) == (0, 0), 15, "the engine to go idle")
         assert http.post("/v1/query", json={"question": "Kessa pass?"}).status_code == 200
@@ -78,12 +85,12 @@ def test_client_leaving_a_stream_cancels_the_engines_generation(narrow_gateway, 
         assert metric_value(text, "ragblend_gateway_in_flight_requests") == 0
 
 
-def test_client_leaving_a_non_streamed_query_cancels_the_engines_generation(
-    narrow_gateway, engine
-):
+def test_client_leaving_a_non_streamed_query_cancels_the_engines_generation(narrow_gateway, engine):
     timeout = httpx.Timeout(120, read=3)
-    with httpx.Client(base_url=narrow_gateway.url, timeout=timeout) as http, \
-            pytest.raises(httpx.ReadTimeout):
+    with (
+        httpx.Client(base_url=narrow_gateway.url, timeout=timeout) as http,
+        pytest.raises(httpx.ReadTimeout),
+    ):
         http.post("/v1/query", json=LONG)
     wait_until(lambda: engine_busy(engine) == (0, 0), 10, "the engine to go idle")
 

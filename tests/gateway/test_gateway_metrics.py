@@ -23,8 +23,10 @@ def test_metrics_parse_and_count_the_query_traffic(client):
     assert moved("ragblend_gateway_engine_duration_seconds_count", mode="full_reuse") == 1
     usage = response.json()["usage"]
     for kind in ("prompt", "completion", "cached"):
-        assert moved("ragblend_gateway_tokens_total", kind=kind, mode="full_reuse") == usage[
-            f"{kind}_tokens"]
+        assert (
+            moved("ragblend_gateway_tokens_total", kind=kind, mode="full_reuse")
+            == usage[f"{kind}_tokens"]
+        )
     assert metric_value(text, "ragblend_gateway_in_flight_requests") == 0
 
 
@@ -32,7 +34,7 @@ def test_metrics_count_bad_requests_by_status(client):
     before = client.get("/metrics").text
     client.post("/v1/query", json={"top_k": 1})
     after = client.get("/metrics").text
-    assert (metric_value(after, "ragblend_gateway_requests_total", route="/v1/query",
-                         status="422")
-            - metric_value(before, "ragblend_gateway_requests_total", route="/v1/query",
-                           status="422")) == 1
+    assert (
+        metric_value(after, "ragblend_gateway_requests_total", route="/v1/query", status="422")
+        - metric_value(before, "ragblend_gateway_requests_total", route="/v1/query", status="422")
+    ) == 1

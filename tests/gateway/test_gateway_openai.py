@@ -13,9 +13,13 @@ def openai_client(gateway, documents):
 
 def test_chat_completion_answers_with_usage_counting_reused_chunk_tokens(openai_client):
     reply = openai_client.chat.completions.create(
-        model="ragblend", max_tokens=4, temperature=0,
-        messages=[{"role": "system", "content": "Answer briefly."},
-                  {"role": "user", "content": "Where does the Zorblax river flow?"}],
+        model="ragblend",
+        max_tokens=4,
+        temperature=0,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Where does the Zorblax river flow?"},
+        ],
         extra_body={"rag": {"top_k": 2, "mode": "cacheblend"}},
     )
     assert reply.object == "chat.completion"
@@ -29,10 +33,15 @@ def test_chat_completion_answers_with_usage_counting_reused_chunk_tokens(openai_
 
 
 def test_streamed_chat_completion_ends_with_a_usage_chunk_when_asked(openai_client):
-    chunks = list(openai_client.chat.completions.create(
-        model="ragblend", max_tokens=4, stream=True, stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "What grows in the Melbrook valley?"}],
-    ))
+    chunks = list(
+        openai_client.chat.completions.create(
+            model="ragblend",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "What grows in the Melbrook valley?"}],
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[-2].choices[0].finish_reason in ("length", "stop")
@@ -42,24 +51,35 @@ def test_streamed_chat_completion_ends_with_a_usage_chunk_when_asked(openai_clie
 
 
 def test_streamed_chat_completion_has_no_usage_chunk_unless_asked(openai_client):
-    chunks = list(openai_client.chat.completions.create(
-        model="ragblend", max_tokens=3, stream=True,
-        messages=[{"role": "user", "content": "What grows in the Melbrook valley?"}],
-    ))
+    chunks = list(
+        openai_client.chat.completions.create(
+            model="ragblend",
+            max_tokens=3,
+            stream=True,
+            messages=[{"role": "user", "content": "What grows in the Melbrook valley?"}],
+        )
+    )
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     assert all(c.usage is None for c in chunks)
 
 
 def test_completion_answers_the_prompt_streamed_and_not(openai_client):
     reply = openai_client.completions.create(
-        model="ragblend", prompt="Which pass crosses the Vantir mountains?", max_tokens=4,
+        model="ragblend",
+        prompt="Which pass crosses the Vantir mountains?",
+        max_tokens=4,
     )
     assert reply.object == "text_completion" and isinstance(reply.choices[0].text, str)
     assert reply.usage.prompt_tokens_details.cached_tokens > 0
-    chunks = list(openai_client.completions.create(
-        model="ragblend", prompt="Which pass crosses the Vantir mountains?", max_tokens=4,
-        stream=True, stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        openai_client.completions.create(
+            model="ragblend",
+            prompt="Which pass crosses the Vantir mountains?",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens >= 1
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert isinstance(text, str)
@@ -70,10 +90,16 @@ def test_models_lists_the_configured_model_name(openai_client):
 
 
 def test_streamed_chat_completion_ends_with_done(client):
-    with client.stream("POST", "/v1/chat/completions", json={
-        "model": "ragblend", "max_tokens": 2, "stream": True,
-        "messages": [{"role": "user", "content": "Kessa pass?"}],
-    }) as response:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": "ragblend",
+            "max_tokens": 2,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Kessa pass?"}],
+        },
+    ) as response:
         text = response.read().decode()
     assert text.endswith("data: [DONE]\n\n")
     assert all(block.startswith("data: ") for block in text.strip().split("\n\n"))

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from gateway.routing import rank_engines
-from tests.gateway.gateway_testutil import free_port
+from tests.service_process import free_port
 
 
 @pytest.fixture(scope="module")
@@ -21,12 +21,15 @@ def pool_gateway(spawn_gateway, engine, second_engine, documents):
 
 
 def ask(http: httpx.Client, doc_id: str) -> httpx.Response:
-    return http.post("/v1/query", json={"question": "What is there?", "doc_ids": [doc_id],
-                                        "top_k": 2, "max_tokens": 2})
+    return http.post(
+        "/v1/query",
+        json={"question": "What is there?", "doc_ids": [doc_id], "top_k": 2, "max_tokens": 2},
+    )
 
 
-def test_the_same_chunk_set_always_goes_to_its_rendezvous_engine(pool_gateway, engine,
-                                                                 second_engine):
+def test_the_same_chunk_set_always_goes_to_its_rendezvous_engine(
+    pool_gateway, engine, second_engine
+):
     urls = [engine.url, second_engine.url]
     with httpx.Client(base_url=pool_gateway.url, timeout=120) as http:
         for doc_id in ("rivers", "mountains", "orchards"):
@@ -42,8 +45,11 @@ def test_requests_fail_over_when_their_engine_is_down_and_return_when_it_is_back
     urls = [engine.url, second_engine.url]
     with httpx.Client(base_url=pool_gateway.url, timeout=120) as pool:
         chunk_ids = [s["chunk_id"] for s in ask(pool, "rivers").json()["sources"]]
-        preferred, other = (engine, second_engine) if rank_engines(urls, chunk_ids)[0] == \
-            engine.url else (second_engine, engine)
+        preferred, other = (
+            (engine, second_engine)
+            if rank_engines(urls, chunk_ids)[0] == engine.url
+            else (second_engine, engine)
+        )
         alone = httpx.Client(base_url=spawn_gateway(preferred).url, timeout=120)
         preferred.stop()
         try:

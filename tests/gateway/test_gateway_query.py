@@ -8,8 +8,10 @@ from tests.gateway.gateway_testutil import parse_sse
 
 
 def test_query_answers_with_the_retrieved_sources_usage_and_timings(client, documents):
-    response = client.post("/v1/query", json={"question": "Where does the Zorblax river flow?",
-                                              "top_k": 2, "max_tokens": 4})
+    response = client.post(
+        "/v1/query",
+        json={"question": "Where does the Zorblax river flow?", "top_k": 2, "max_tokens": 4},
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert isinstance(body["answer"], str) and body["finish_reason"] in ("length", "stop")
@@ -26,8 +28,9 @@ def test_query_answers_with_the_retrieved_sources_usage_and_timings(client, docu
 
 
 def test_query_keeps_the_callers_request_id_and_makes_one_when_absent(client):
-    given = client.post("/v1/query", json={"question": "Kessa pass?"},
-                        headers={"X-Request-ID": "trace-42"})
+    given = client.post(
+        "/v1/query", json={"question": "Kessa pass?"}, headers={"X-Request-ID": "trace-42"}
+    )
     assert given.headers["X-Request-ID"] == "trace-42"
     assert given.json()["request_id"] == "trace-42"
     made = client.post("/v1/query", json={"question": "Kessa pass?"})
@@ -35,10 +38,14 @@ def test_query_keeps_the_callers_request_id_and_makes_one_when_absent(client):
 
 
 def test_query_searches_only_the_given_doc_ids_in_the_given_mode(client):
-    response = client.post("/v1/query", json={
-        "question": "Where does the Zorblax river flow?", "doc_ids": ["orchards"],
-        "mode": "full_prefill",
-    })
+    response = client.post(
+        "/v1/query",
+        json={
+            "question": "Where does the Zorblax river flow?",
+            "doc_ids": ["orchards"],
+            "mode": "full_prefill",
+        },
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert {s["doc_id"] for s in body["sources"]} == {"orchards"}
@@ -46,9 +53,15 @@ def test_query_searches_only_the_given_doc_ids_in_the_given_mode(client):
 
 
 def test_streamed_query_sends_sources_then_deltas_then_the_result_as_sse(client):
-    with client.stream("POST", "/v1/query", json={
-        "question": "When is the harvest festival?", "max_tokens": 5, "stream": True,
-    }) as response:
+    with client.stream(
+        "POST",
+        "/v1/query",
+        json={
+            "question": "When is the harvest festival?",
+            "max_tokens": 5,
+            "stream": True,
+        },
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         text = response.read().decode()

@@ -9,13 +9,18 @@ import httpx
 import pytest
 
 
-def test_sigterm_lets_an_open_stream_finish_before_the_gateway_exits(spawn_gateway, engine,
-                                                                     documents):
+def test_sigterm_lets_an_open_stream_finish_before_the_gateway_exits(
+    spawn_gateway, engine, documents
+):
     gateway = spawn_gateway(engine)
-    with httpx.Client(base_url=gateway.url, timeout=120) as http, http.stream(
-        "POST", "/v1/query",
-        json={"question": "Kessa pass?", "max_tokens": 40, "stream": True},
-    ) as response:
+    with (
+        httpx.Client(base_url=gateway.url, timeout=120) as http,
+        http.stream(
+            "POST",
+            "/v1/query",
+            json={"question": "Kessa pass?", "max_tokens": 40, "stream": True},
+        ) as response,
+    ):
         lines = response.iter_lines()
         assert next(line for line in lines if line == "event: delta")
         gateway.proc.send_signal(signal.SIGTERM)

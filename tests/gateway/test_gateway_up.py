@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from tests.gateway.gateway_testutil import REPO_ROOT
+from tests.service_process import REPO_ROOT
 
 
 def test_up_with_a_port_in_use_exits_naming_the_port_and_service(tiny_model, tmp_path):
@@ -15,9 +15,22 @@ def test_up_with_a_port_in_use_exits_naming_the_port_and_service(tiny_model, tmp
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "ragblend", "up", "--model", tiny_model, "--data-dir",
-             str(tmp_path), "--engine-port", str(port)],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "ragblend",
+                "up",
+                "--model",
+                tiny_model,
+                "--data-dir",
+                str(tmp_path),
+                "--engine-port",
+                str(port),
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert done.returncode == 1
     assert f"port {port} for the engine is already in use" in done.stderr

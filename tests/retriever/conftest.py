@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service_process import REPO_ROOT, ServiceProcess, service_env, start_service
+from tests.service_process import REPO_ROOT, Service, service_env, start_service
 
-RetrieverProcess = ServiceProcess
+RetrieverProcess = Service
 
 
 def start_retriever(
     data_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None
-) -> ServiceProcess:
+) -> Service:
     """Start the service and wait until /health answers 200; fails with its log otherwise."""
     return start_service("retriever", ["--data-dir", str(data_dir), *args], log_path, env=env)
 
@@ -85,7 +85,7 @@ def spawn_retriever(tmp_path: Path) -> Iterator[SpawnRetriever]:
     def spawn(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> RetrieverProcess:
         """`env`: variables set on top of the usual environment."""
         service = start_retriever(
-            data_dir, tmp_path / "retriever.log", *args, env=service_env(**(env or {}))
+            data_dir, tmp_path / "retriever.log", *args, env=env
         )
         started.append(service)
         return service
