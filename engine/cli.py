@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pydantic import ValidationError
+from ragblend.serving import serve, settings_from_args
 
 
 def add_parser(subparsers) -> None:
@@ -33,21 +33,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from engine.api.main import create_app
     from engine.settings import EngineSettings
 
-    fields = set(EngineSettings.model_fields)
-    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    try:
-        settings = EngineSettings(**overrides)
-    except ValidationError as exc:
-        raise SystemExit(f"ragblend engine: invalid settings:\n{exc}") from None
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level.lower(),
-    )
-    return 0
+    return serve(create_app, settings_from_args(EngineSettings, args, "engine"), args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pydantic import ValidationError
+from ragblend.serving import serve, settings_from_args
 
 
 def add_parser(subparsers) -> None:
@@ -30,22 +30,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.api.main import create_app
     from gateway.settings import GatewaySettings
 
-    fields = set(GatewaySettings.model_fields)
-    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    try:
-        settings = GatewaySettings(**overrides)
-    except ValidationError as exc:
-        raise SystemExit(f"ragblend gateway: invalid settings:\n{exc}") from None
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+    settings = settings_from_args(GatewaySettings, args, "gateway")
+    return serve(
+        create_app, settings, args, timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None
     )
-    return 0

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ragblend.serving import serve, settings_from_args
+
 logger = logging.getLogger(__name__)
 
 GATEWAY_URL = "http://127.0.0.1:8000"
@@ -19,16 +21,16 @@ RETRIEVER_URL = "http://127.0.0.1:8001"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("retriever", help="run the retriever service")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8001)")
-    serve.add_argument("--data-dir", help="catalog and index folder (default ./data/retriever)")
-    serve.add_argument("--embedding-model", help="sentence-transformers model name or path")
-    serve.add_argument("--tokenizer", help="LLM tokenizer (path or hub id) used for chunking")
-    serve.add_argument("--chunk-tokens", type=int, help="tokens per chunk (default 512)")
-    serve.add_argument("--index", choices=("flat", "hnsw"), help="FAISS index kind")
-    serve.add_argument("--max-top-k", type=int, help="largest top_k a search may ask for")
-    serve.set_defaults(run=run_retriever)
+    service = subparsers.add_parser("retriever", help="run the retriever service")
+    service.add_argument("--host", help="bind address (default 127.0.0.1)")
+    service.add_argument("--port", type=int, help="port (default 8001)")
+    service.add_argument("--data-dir", help="catalog and index folder (default ./data/retriever)")
+    service.add_argument("--embedding-model", help="sentence-transformers model name or path")
+    service.add_argument("--tokenizer", help="LLM tokenizer (path or hub id) used for chunking")
+    service.add_argument("--chunk-tokens", type=int, help="tokens per chunk (default 512)")
+    service.add_argument("--index", choices=("flat", "hnsw"), help="FAISS index kind")
+    service.add_argument("--max-top-k", type=int, help="largest top_k a search may ask for")
+    service.set_defaults(run=run_retriever)
 
     ingest = subparsers.add_parser("ingest", help="ingest files or folders (recursively)")
     ingest.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
@@ -42,28 +44,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_retriever(args: argparse.Namespace) -> int:
-    import uvicorn
-    from pydantic import ValidationError
-
     from retriever.api.main import create_app
     from retriever.settings import RetrieverSettings
 
-    overrides = {
-        name: getattr(args, name)
-        for name in ("host", "port", "data_dir", "embedding_model", "tokenizer", "chunk_tokens",
-                     "index", "max_top_k")
-        if getattr(args, name) is not None
-    }
-    try:
-        settings = RetrieverSettings(**overrides)
-    except ValidationError as exc:
-        print(f"invalid retriever settings:\n{exc}", file=sys.stderr)
-        return 2
-    uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port,
-        log_level=args.log_level.lower(), access_log=False,
-    )
-    return 0
+    settings = settings_from_args(RetrieverSettings, args, "retriever")
+    return serve(create_app, settings, args, access_log=False)
 
 
 # -- ingest -----------------------------------------------------------------------------------
