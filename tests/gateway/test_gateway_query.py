@@ -27,12 +27,16 @@ def test_query_answers_with_the_retrieved_sources_usage_and_timings(client, docu
     assert body["mode"] == "cacheblend"
 
 
-def test_query_keeps_the_callers_request_id_and_makes_one_when_absent(client):
+def test_query_keeps_the_callers_request_id_and_makes_one_when_absent(
+    client, retriever, engine
+):
     given = client.post(
         "/v1/query", json={"question": "Kessa pass?"}, headers={"X-Request-ID": "trace-42"}
     )
     assert given.headers["X-Request-ID"] == "trace-42"
     assert given.json()["request_id"] == "trace-42"
+    assert "[trace-42]: search top_k=" in retriever.log()
+    assert "[trace-42]: generated mode=" in engine.log()
     made = client.post("/v1/query", json={"question": "Kessa pass?"})
     assert len(made.headers["X-Request-ID"]) == 32
 

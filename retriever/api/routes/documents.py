@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from retriever.service import DocumentInput, EmptyDocumentError, UnknownDocument
 from retriever.settings import RetrieverSettings
 
 router = APIRouter(prefix="/v1/documents", tags=["documents"])
+logger = logging.getLogger(__name__)
 
 
 def _fail(metrics: RetrieverMetrics, status: int, reason: str, detail: Any) -> HTTPException:
@@ -120,6 +122,7 @@ async def create_document(
         metrics.documents_ingested.inc()
         metrics.chunks_ingested.inc(len(result.chunk_ids))
     metrics.ingest_latency_s.observe(time.perf_counter() - started)
+    logger.info("document %s %s: %d chunks", result.doc_id, result.status, len(result.chunk_ids))
     return DocumentCreateResponse(
         doc_id=result.doc_id, chunk_ids=result.chunk_ids, status=result.status,
         num_tokens=result.num_tokens,

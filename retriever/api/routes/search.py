@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from fastapi import APIRouter, HTTPException
@@ -12,6 +13,7 @@ from retriever.api.schemas import SearchRequest, SearchResponse, SearchResult
 from retriever.service import UnknownDocumentError
 
 router = APIRouter(prefix="/v1", tags=["search"])
+logger = logging.getLogger(__name__)
 
 
 @router.post("/search", response_model=SearchResponse)
@@ -22,7 +24,7 @@ async def search(
         raise HTTPException(
             status_code=422,
             detail=f"top_k must be between 1 and {settings.max_top_k} (max_top_k), "
-                   f"got {body.top_k}",
+            f"got {body.top_k}",
         )
     started = time.perf_counter()
     try:
@@ -31,7 +33,9 @@ async def search(
         )
     except UnknownDocumentError as exc:
         raise HTTPException(status_code=404, detail=str(exc)) from exc
-    metrics.search_latency_s.observe(time.perf_counter() - started)
+    elapsed_s = time.perf_counter() - started
+    metrics.search_latency_s.observe(elapsed_s)
+    logger.info("search top_k=%d results=%d in %.1f ms", body.top_k, len(hits), elapsed_s * 1e3)
     return SearchResponse(
         results=[
             SearchResult(chunk_id=h.chunk_id, doc_id=h.doc_id, score=h.score, text=h.text)
