@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from jinja2 import TemplateError
+
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 INSTRUCTION = "Answer the question using the passages below."
 CHUNK_SEPARATOR = "\n\n"
@@ -71,16 +73,23 @@ class PromptBuilder:
         chunks = tuple(self.chunk_tokens(text) for text in chunk_texts)
         return PromptLayout(self.encode(prefix_text), chunks, self.encode(suffix_text))
 
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+
     def _frame(self, question: str, system: str) -> tuple[str, str]:
         """The text before and after the passages."""
         if self.uses_chat_template:
-            messages = [
-                {"role": "system", "content": f"{system}\n{INSTRUCTION}"},
-                {"role": "user", "content": f"{_PASSAGES_SLOT}Question: {question.strip()}"},
-            ]
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            user = f"{_PASSAGES_SLOT}Question: {question.strip()}"
+            instruction = f"{system}\n{INSTRUCTION}"
+            try:
+                rendered = self._render(
+                    [{"role": "system", "content": instruction}, {"role": "user", "content": user}]
+                )
+            except TemplateError:
+                # Some templates (Mistral's) refuse a system turn: it goes first in the user turn.
+                rendered = self._render([{"role": "user", "content": f"{instruction}\n\n{user}"}])
             prefix, slot, suffix = rendered.partition(_PASSAGES_SLOT)
             assert slot, "the chat template dropped the user message"
             return prefix, suffix

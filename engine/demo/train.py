@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--aux-weight", type=float, default=0.5)
-    parser.add_argument("--short-steps", type=int, default=300, help="steps of 2-3 passages")
+    parser.add_argument("--short-steps", type=int, default=300, help="steps of short prompts")
+    parser.add_argument("--short-passages", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=250)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -181,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
     )
     generator = CorpusGenerator(args.seed)
-    # A short curriculum: the first steps see 2-3 passages, so the copying heads form sooner.
-    warmup_generator = CorpusGenerator(args.seed + 1, min_passages=2, max_passages=3)
+    # A short curriculum: the first steps see 1 to --short-passages passages, so the copying heads form sooner.
+    warmup_generator = CorpusGenerator(args.seed + 1, min_passages=1,
+                                       max_passages=args.short_passages)  # fmt: skip
     validation = [CorpusGenerator(VALIDATION_SEED).example(KINDS[i % 3]) for i in range(240)]
 
     started = time.monotonic()

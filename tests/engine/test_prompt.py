@@ -39,3 +39,16 @@ def test_chat_template_puts_passages_in_the_user_turn(checkpoint_dir):
     )
     assert suffix.startswith("Question: where is kalo?<|im_end|>")
     assert suffix.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_without_a_system_turn_gets_the_system_text_in_the_user_turn(checkpoint_dir):
+    tokenizer = load_model(checkpoint_dir("qwen2")).tokenizer
+    tokenizer.chat_template = (  # like Mistral's: user/assistant only
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    )
+    layout = PromptBuilder(tokenizer, default_system="Be brief.").build("where?", ["zu ka."])
+    prefix = tokenizer.decode(layout.prefix)
+    assert prefix.startswith("[INST] Be brief.\nAnswer the question using the passages below.")
+    assert tokenizer.decode(layout.suffix) == "Question: where? [/INST]"
