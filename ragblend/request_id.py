@@ -26,6 +26,8 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
+    # One INFO line per outgoing HTTP call drowns the services' own lines.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def request_id_of(scope: Scope) -> str:
