@@ -27,3 +27,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_ttft.py
+
+# Slow (minutes; apt packages, a debootstrapped base image and the wheels are cached after the
+# first run): builds the image with podman and answers a query through the compose stack.
+.PHONY: test-deploy
+test-deploy: $(STAMP)
+	deploy/podman/smoke-test.sh

@@ -166,7 +166,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--aux-weight", type=float, default=0.5)
     parser.add_argument("--short-steps", type=int, default=300, help="steps of short prompts")
-    parser.add_argument("--short-passages", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=250)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -182,9 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
     )
     generator = CorpusGenerator(args.seed)
-    # A short curriculum: the first steps see 1 to --short-passages passages, so the copying heads form sooner.
-    warmup_generator = CorpusGenerator(args.seed + 1, min_passages=1,
-                                       max_passages=args.short_passages)  # fmt: skip
+    short_generators: dict[int, CorpusGenerator] = {}
     validation = [CorpusGenerator(VALIDATION_SEED).example(KINDS[i % 3]) for i in range(240)]
 
     started = time.monotonic()
@@ -199,7 +196,13 @@ def main(argv: list[str] | None = None) -> None:
                        elapsed_min / args.minutes)  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(progress, step, args.lr, args.warmup)
-        source = warmup_generator if step < args.short_steps else generator
+        # Curriculum: prompts grow from 1-2 passages to the full 3-6 over --short-steps.
+        if step < args.short_steps:
+            longest = 2 + (4 * step) // args.short_steps
+            source = short_generators.setdefault(longest, CorpusGenerator(
+                args.seed + longest, min_passages=max(1, longest - 3), max_passages=longest))
+        else:
+            source = generator
         examples = list(source.examples(args.batch, TRAIN_WEIGHTS))
         batch = collate([encode(builder, e) for e in examples], tokenizer.pad_token_id)
         with torch.autocast("cpu", dtype=torch.bfloat16):

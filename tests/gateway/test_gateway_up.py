@@ -1,12 +1,16 @@
-"""`ragblend up` refuses clearly, without starting anything, when a port is taken."""
+"""`ragblend up`: the whole stack from one command, and clear refusals when it cannot start."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
+import time
 
-from tests.service_process import REPO_ROOT
+import httpx
+
+from tests.service_process import REPO_ROOT, free_port, service_env
 
 
 def test_up_with_a_port_in_use_exits_naming_the_port_and_service(tiny_model, tmp_path):
@@ -47,3 +51,55 @@ def test_up_without_a_model_says_how_to_set_one(tmp_path, monkeypatch):
         assert "--model" in str(exc) and "RAGBLEND_ENGINE_MODEL" in str(exc)
     else:
         raise AssertionError("resolve_model found a model in an empty folder")
+
+
+def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(tiny_model, tmp_path):
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    (samples / "river.md").write_text("The Zorblax river flows through Quendor.\n")
+    (samples / "pass.txt").write_text("Travelers cross the Vantir mountains by the Kessa pass.\n")
+    ports = {name: free_port() for name in ("gateway", "retriever", "engine")}
+    command = [
+        sys.executable,
+        "-m",
+        "ragblend",
+        "up",
+        "--model",
+        tiny_model,
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--documents",
+        str(samples),
+        *(arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))),
+    ]
+    up = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=service_env(),
+    )
+    try:
+        output = []
+        for line in up.stdout:
+            output.append(line)
+            if "ragblend is up" in line:
+                break
+        assert up.poll() is None, "".join(output)[-3000:]
+        gateway = f"http://127.0.0.1:{ports['gateway']}"
+        documents = httpx.get(f"{gateway}/v1/documents", timeout=30).json()["documents"]
+        assert len(documents) == 2
+        answer = httpx.post(
+            f"{gateway}/v1/query",
+            timeout=120,
+            json={"question": "Which pass crosses the Vantir?", "top_k": 2, "max_tokens": 4},
+        )
+        assert answer.status_code == 200, answer.text
+        assert any("Kessa" in s["text"] for s in answer.json()["sources"])
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=90) == 0
+    for port in ports.values():
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still served"

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# `make test-deploy`: builds the image with podman from a locally built Debian base and a local
+# wheelhouse (no registry needed), starts retriever, engine and gateway from docker-compose.yml
+# and asks a question through the gateway. Minutes; the base image and wheels are cached.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$(pwd)
+work=${RAGBLEND_DEPLOY_WORK:-/var/tmp/ragblend-deploy}
+base=localhost/ragblend-base:bookworm
+project=ragblend-smoke
+python=${PYTHON:-.venv/bin/python}
+export CONTAINERS_CONF="$repo/deploy/podman/containers.conf"
+# The tiny model's 1024 positions hold 2 chunks of 64 tokens plus the question.
+export RAGBLEND_ENGINE_MODEL=/models/tiny RAGBLEND_RETRIEVER_CHUNK_TOKENS=64
+mkdir -p "$work"
+log() { echo "test-deploy: $*" >&2; }
+
+missing=()
+for tool in podman runc podman-compose debootstrap; do
+    command -v "$tool" >/dev/null || missing+=("$tool")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    log "installing podman, runc, podman-compose, debootstrap"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq podman runc podman-compose debootstrap >/dev/null
+fi
+
+for port in 8000 8001 8002; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        log "port $port is in use; the compose file publishes it"; exit 1
+    fi
+done
+
+if ! podman image exists "$base"; then
+    log "building the base image $base with debootstrap (a few minutes, once)"
+    rm -rf "$work/rootfs"
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log"
+    tar -C "$work/rootfs" -c . | podman import \
+        --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'CMD ["/bin/bash"]' - "$base" >/dev/null
+    rm -rf "$work/rootfs"
+fi
+
+log "wheelhouse and build context"
+"$python" - "$work/requirements.txt" <<'PY'
+import sys, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+open(sys.argv[1], "w").write("\n".join(deps + ["setuptools>=69", "wheel"]) + "\n")
+PY
+"$python" -m pip download -q -d "$work/wheels" --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
+    -r "$work/requirements.txt"
+rm -rf "$work/context" && mkdir -p "$work/context"
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -c | tar -C "$work/context" -x
+cp "$work"/wheels/*.whl "$work/context/deploy/wheelhouse/"
+
+log "podman build"
+podman build -q --build-arg BASE_IMAGE="$base" --build-arg PIP_NO_INDEX=1 \
+    -t ragblend:latest "$work/context" >/dev/null
+
+log "the tiny test model in the models volume"
+rm -rf "$work/tiny" && "$python" -c "
+import sys
+from engine.synthetic import save_random_checkpoint
+save_random_checkpoint('llama', sys.argv[1], seed=1, initializer_range=0.1, max_positions=1024)
+" "$work/tiny"
+compose=(podman-compose -p "$project" -f "$repo/docker-compose.yml")
+cleanup() {
+    status=$?
+    if [ "$status" -ne 0 ]; then
+        for name in retriever engine gateway; do
+            log "--- logs of $name"; podman logs --tail 40 "${project}_${name}_1" 2>&1 || true
+        done
+    fi
+    "${compose[@]}" down -v >/dev/null 2>&1 || true
+    exit "$status"
+}
+trap cleanup EXIT
+podman volume rm -f "${project}_models" >/dev/null 2>&1 || true
+podman volume create "${project}_models" >/dev/null
+volume=$(podman volume inspect --format '{{.Mountpoint}}' "${project}_models")
+cp -r "$work/tiny" "$volume/tiny" && chown -R 10001:10001 "$volume"
+
+log "podman-compose up retriever engine gateway"
+"${compose[@]}" up -d retriever engine gateway >"$work/compose-up.log" 2>&1 \
+    || { cat "$work/compose-up.log" >&2; exit 1; }
+
+log "a document and a query through the gateway"
+"$python" - <<'PY'
+import time
+import httpx
+
+gateway = httpx.Client(base_url="http://127.0.0.1:8000", timeout=120.0)
+deadline = time.monotonic() + 600
+while True:
+    try:
+        if gateway.get("/ready").status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    assert time.monotonic() < deadline, "the gateway was not ready after 600 s"
+    time.sleep(2)
+text = ("The Zorblax river flows through the city of Quendor. Its water glows blue at night "
+        "because of small fish.")
+document = gateway.post("/v1/documents", json={"text": text, "id": "rivers"})
+assert document.status_code == 200, document.text
+while gateway.get("/v1/documents/rivers").json()["precompute"]["status"] == "pending":
+    time.sleep(0.5)
+answer = gateway.post("/v1/query", json={"question": "Where does the Zorblax river flow?",
+                                          "top_k": 2, "max_tokens": 8})
+assert answer.status_code == 200, answer.text
+body = answer.json()
+assert body["sources"] and body["sources"][0]["doc_id"] == "rivers", body
+assert body["usage"]["completion_tokens"] > 0, body
+metrics = gateway.get("/metrics").text
+assert "ragblend_gateway_ttft_seconds_count" in metrics
+print("test-deploy: the gateway answered:", repr(body["answer"]), "via", body["engine"])
+PY
+for name in retriever engine gateway; do
+    user=$(podman exec "${project}_${name}_1" id -u)
+    [ "$user" != 0 ] || { log "$name runs as root"; exit 1; }
+    podman healthcheck run "${project}_${name}_1" >/dev/null \
+        || { log "the HEALTHCHECK of $name fails"; exit 1; }
+done
+log "passed"
