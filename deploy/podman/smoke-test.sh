@@ -52,13 +52,13 @@ PY
 "$python" -m pip download -q -d "$work/wheels" --only-binary=:all: --python-version 3.11 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
-    -r "$work/requirements.txt"
+    -r "$work/requirements.txt" 2> >(grep -v '^WARNING: Location' >&2)
 rm -rf "$work/context" && mkdir -p "$work/context"
 git ls-files -z --cached --others --exclude-standard | tar --null -T - -c | tar -C "$work/context" -x
 cp "$work"/wheels/*.whl "$work/context/deploy/wheelhouse/"
 
 log "podman build"
-podman build -q --build-arg BASE_IMAGE="$base" --build-arg PIP_NO_INDEX=1 \
+podman build -q --format docker --build-arg BASE_IMAGE="$base" --build-arg PIP_NO_INDEX=1 \
     -t ragblend:latest "$work/context" >/dev/null
 
 log "the tiny test model in the models volume"
@@ -75,7 +75,12 @@ cleanup() {
             log "--- logs of $name"; podman logs --tail 40 "${project}_${name}_1" 2>&1 || true
         done
     fi
+    # -v: also the anonymous volumes of the image's VOLUMEs.
+    for name in retriever engine gateway; do
+        podman rm -f -v "${project}_${name}_1" >/dev/null 2>&1 || true
+    done
     "${compose[@]}" down -v >/dev/null 2>&1 || true
+    podman volume rm -f "${project}_models" >/dev/null 2>&1 || true
     exit "$status"
 }
 trap cleanup EXIT
@@ -125,4 +130,6 @@ for name in retriever engine gateway; do
     podman healthcheck run "${project}_${name}_1" >/dev/null \
         || { log "the HEALTHCHECK of $name fails"; exit 1; }
 done
+[ -n "$(podman image inspect --format '{{.Config.Healthcheck}}' ragblend:latest)" ] \
+    || { log "the image lost its HEALTHCHECK"; exit 1; }
 log "passed"

@@ -72,21 +72,16 @@ def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(ti
         str(samples),
         *(arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))),
     ]
-    up = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=service_env(),
-    )
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:  # a file, not a pipe: nobody reads the services' logs here
+        up = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=service_env()
+        )
     try:
-        output = []
-        for line in up.stdout:
-            output.append(line)
-            if "ragblend is up" in line:
-                break
-        assert up.poll() is None, "".join(output)[-3000:]
+        deadline = time.monotonic() + 300
+        while "ragblend is up" not in log.read_text(errors="replace"):
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
         gateway = f"http://127.0.0.1:{ports['gateway']}"
         documents = httpx.get(f"{gateway}/v1/documents", timeout=30).json()["documents"]
         assert len(documents) == 2
