@@ -8,6 +8,7 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
+LABEL ai.ragblend.stage=build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
@@ -34,8 +35,9 @@ ARG TORCH_VARIANT=cpu
 LABEL org.opencontainers.image.title="ragblend" \
       org.opencontainers.image.description="RAG gateway with CacheBlend KV-cache fusion" \
       ai.ragblend.torch-variant="${TORCH_VARIANT}"
-RUN groupadd --system --gid 10001 ragblend \
-    && useradd --system --uid 10001 --gid ragblend --home-dir /app --shell /usr/sbin/nologin ragblend \
+RUN groupadd --gid 10001 ragblend \
+    && useradd --uid 10001 --gid ragblend --no-create-home --home-dir /app \
+        --shell /usr/sbin/nologin ragblend \
     && mkdir -p /data/retriever /data/kv /models \
     && chown -R ragblend:ragblend /data /models
 COPY --from=build /opt/venv /opt/venv

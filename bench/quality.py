@@ -45,7 +45,7 @@ CONFIGS = (
     *(Config(Mode.CACHEBLEND, r) for r in RATIOS),
 )
 FIELDS = ["retrieval", "mode", "recompute_ratio", "kind", "questions", "exact_match", "f1",
-          "kv_deviation", "ttft_ms"]  # fmt: skip
+          "agreement", "gold_logprob", "kv_deviation", "ttft_ms"]  # fmt: skip
 
 
 def documents(example: Example) -> list[str]:
@@ -89,11 +89,15 @@ def retrieved_passages(examples: list[Example], top_k: int) -> list[list[str]]:
 
 def run(engine: Engine, examples: list[Example], contexts: list[list[str]], setting: str):
     """Per-question outcomes of every config."""
-    records: list[tuple[str, Example, Outcome]] = []
+    records: list[tuple[str, Example, Outcome, bool]] = []
     started = time.perf_counter()
     for i, (example, passages) in enumerate(zip(examples, contexts, strict=True)):
-        for outcome in answer(engine, example.question, example.answer, passages, CONFIGS):
-            records.append((setting, example, outcome))
+        outcomes = answer(engine, example.question, example.answer, passages, CONFIGS)
+        assert outcomes[0].config.mode is Mode.FULL_PREFILL
+        for outcome in outcomes:
+            # Agreement: the same answer as full prefill, right or wrong.
+            records.append((setting, example, outcome,
+                            outcome.prediction == outcomes[0].prediction))  # fmt: skip
         if (i + 1) % 50 == 0:
             log.info("%s: %d/%d questions, %.0f s", setting, i + 1, len(examples),
                      time.perf_counter() - started)  # fmt: skip
@@ -102,9 +106,11 @@ def run(engine: Engine, examples: list[Example], contexts: list[list[str]], sett
 
 def summarize(records) -> list[dict]:
     groups: dict[tuple, list[Outcome]] = defaultdict(list)
-    for setting, example, outcome in records:
+    agree: dict[tuple, list[bool]] = defaultdict(list)
+    for setting, example, outcome, same in records:
         for kind in (example.kind, "all"):
             groups[(setting, outcome.config, kind)].append(outcome)
+            agree[(setting, outcome.config, kind)].append(same)
     rows = []
     for (setting, config, kind), outcomes in groups.items():
         rows.append({
@@ -115,6 +121,8 @@ def summarize(records) -> list[dict]:
             "questions": len(outcomes),
             "exact_match": round(statistics.fmean(o.exact_match for o in outcomes), 4),
             "f1": round(statistics.fmean(o.f1 for o in outcomes), 4),
+            "agreement": round(statistics.fmean(agree[(setting, config, kind)]), 4),
+            "gold_logprob": round(statistics.fmean(o.gold_logprob for o in outcomes), 4),
             "kv_deviation": round(statistics.fmean(o.kv_deviation for o in outcomes), 4),
             "ttft_ms": round(1000 * statistics.median(o.ttft_s for o in outcomes), 2),
         })  # fmt: skip
@@ -131,8 +139,8 @@ def markdown_table(rows: list[dict], setting: str) -> str:
     """Rows: modes; columns: EM / F1 per kind, then KV deviation and TTFT over all kinds."""
     kinds = [*KINDS, "all"]
     header = ("| mode | " + " | ".join(f"{k} EM / F1" for k in kinds)
-              + " | KV deviation | TTFT ms (median) |")  # fmt: skip
-    lines = [header, "|" + "---|" * (len(kinds) + 3)]
+              + " | agree w/ full | gold log p | KV deviation | TTFT ms (median) |")  # fmt: skip
+    lines = [header, "|" + "---|" * (len(kinds) + 5)]
     by = {(label(r), r["kind"]): r for r in rows if r["retrieval"] == setting}
     for config in CONFIGS:
         name = label({"mode": config.mode.value, "recompute_ratio": config.recompute_ratio})
@@ -142,6 +150,7 @@ def markdown_table(rows: list[dict], setting: str) -> str:
                  for k in kinds if (name, k) in by]  # fmt: skip
         total = by[(name, "all")]
         lines.append(f"| {name} | " + " | ".join(cells)
+                     + f" | {total['agreement']:.3f} | {total['gold_logprob']:.2f}"
                      + f" | {total['kv_deviation']:.4f} | {total['ttft_ms']:.1f} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -54,12 +54,21 @@ PY
     --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
     -r "$work/requirements.txt" 2> >(grep -v '^WARNING: Location' >&2)
 rm -rf "$work/context" && mkdir -p "$work/context"
-git ls-files -z --cached --others --exclude-standard | tar --null -T - -c | tar -C "$work/context" -x
+# The working tree as git sees it (tracked and new files, not the ignored ones), minus
+# deleted files.
+git ls-files -z --cached --others --exclude-standard \
+    | while IFS= read -r -d '' f; do [ ! -e "$f" ] || printf '%s\0' "$f"; done \
+    | tar --null -T - -c | tar -C "$work/context" -x
 cp "$work"/wheels/*.whl "$work/context/deploy/wheelhouse/"
 
 log "podman build"
+previous=$(podman image inspect --format '{{.Id}}' ragblend:latest 2>/dev/null || true)
 podman build -q --format docker --build-arg BASE_IMAGE="$base" --build-arg PIP_NO_INDEX=1 \
     -t ragblend:latest "$work/context" >/dev/null
+# Disk stays bounded over reruns: the replaced image and the untagged build stages go.
+current=$(podman image inspect --format '{{.Id}}' ragblend:latest)
+[ -z "$previous" ] || [ "$previous" = "$current" ] || podman rmi "$previous" >/dev/null 2>&1 || true
+podman image prune -f --filter label=ai.ragblend.stage=build >/dev/null
 
 log "the tiny test model in the models volume"
 rm -rf "$work/tiny" && "$python" -c "

@@ -64,6 +64,8 @@ class Outcome:
     f1: float
     kv_deviation: float  # relative squared deviation of chunk-token K/V from full prefill
     ttft_s: float
+    # log-probability of the gold answer's first token after the prompt (nan: not measured)
+    gold_logprob: float = float("nan")
 
 
 def kv_deviation(keys, values, ref_keys, ref_values, spans) -> float:
@@ -94,6 +96,7 @@ def answer(
     if measure_deviation:
         full = GenerateRequest(question=question, chunks=chunks, mode=Mode.FULL_PREFILL)
         reference = engine.prefill(full)
+    first_token = engine.prompts.encode(gold_answer)[0]
     outcomes = []
     for config in configs:
         request = GenerateRequest(
@@ -104,14 +107,17 @@ def answer(
             max_tokens=max_tokens,
             temperature=0.0,
         )
-        deviation = 0.0
-        if reference is not None and config.mode is not Mode.FULL_PREFILL:
-            prefill = engine.prefill(request)
-            deviation = kv_deviation(
-                prefill.output.keys, prefill.output.values,
-                reference.output.keys, reference.output.values,
-                reference.layout.chunk_spans,
-            )  # fmt: skip
+        deviation, logprob = 0.0, float("nan")
+        if reference is not None:
+            prefill = reference
+            if config.mode is not Mode.FULL_PREFILL:
+                prefill = engine.prefill(request)
+                deviation = kv_deviation(
+                    prefill.output.keys, prefill.output.values,
+                    reference.output.keys, reference.output.values,
+                    reference.layout.chunk_spans,
+                )  # fmt: skip
+            logprob = float(prefill.output.logits.float().log_softmax(-1)[first_token])
         result = engine.generate(request)
         outcomes.append(
             Outcome(
@@ -121,6 +127,7 @@ def answer(
                 f1_score(result.text, gold_answer),
                 deviation,
                 result.timings.ttft_s,
+                logprob,
             )
         )
     return outcomes

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
     parser.add_argument("--steps", type=int, default=1700)
     parser.add_argument("--minutes", type=float, default=60.0, help="stop early past this")
     parser.add_argument("--batch", type=int, default=24)
@@ -173,9 +174,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    tokenizer = build_tokenizer(args.seed, args.vocab)
+    if args.init is not None:
+        # Continue from a saved checkpoint (its tokenizer and shape win over the flags).
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
+        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    else:
+        tokenizer = build_tokenizer(args.seed, args.vocab)
+        model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
     builder = PromptBuilder(tokenizer)
-    model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
     log.info("model: %.2fM parameters, vocab %d", model.num_parameters() / 1e6, len(tokenizer))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
