@@ -104,6 +104,8 @@ class EngineMetrics:
         self.errors = Counter(
             "ragblend_engine_errors", "Failed requests, by kind", ["kind"], registry=r
         )
+        for kind in ("queue_full", "generation"):  # zero series, so dashboards show 0 errors
+            self.errors.labels(kind)
         r.register(_LiveState(engine))
 
     def observe(self, mode: Mode, result: GenerateResult) -> None:
