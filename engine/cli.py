@@ -28,6 +28,7 @@ def add_parser(subparsers) -> None:
         type=lambda s: [int(x) for x in s.split(",")],
         help="comma-separated check layers, e.g. 1 or 1,2,3",
     )
+    parser.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
     parser.add_argument("--system-prompt")
     parser.set_defaults(run=run)
 
