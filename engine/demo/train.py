@@ -1,10 +1,13 @@
 """Train the demo model: a BPE tokenizer and a small Llama on engine-laid-out prompts.
 
-    python -m engine.demo.train --out engine/demo/model --steps 3000 --seed 0
+    python -m engine.demo.train --out engine/demo/model --seed 0
+    python -m engine.demo.train --init engine/demo/model --out engine/demo/model \
+        --steps 3000 --lr 8e-4 --warmup 50 --short-steps 0 --minutes 19 --seed 1   # continue
 
 Prompts are built by the engine's own PromptBuilder (prefix | passages | question), so the model
-sees at training time exactly the token layout the engine gives it; the loss is on the answer
-tokens and the EOS after them only. Training uses full-prefill prompts only, never blended caches.
+sees at training time exactly the token layout the engine gives it. Loss: the answer tokens and
+the EOS after them, plus a weighted next-token loss on the prompt (--aux-weight). Training uses
+full-prefill prompts only, never blended or reused caches.
 """
 
 from __future__ import annotations
@@ -153,10 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
-    parser.add_argument("--steps", type=int, default=1700)
-    parser.add_argument("--minutes", type=float, default=60.0, help="stop early past this")
-    parser.add_argument("--batch", type=int, default=24)
-    parser.add_argument("--lr", type=float, default=2.5e-3)
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--minutes", type=float, default=36.0, help="stop early past this")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=1536)
@@ -165,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--aux-weight", type=float, default=0.5)
-    parser.add_argument("--short-steps", type=int, default=300, help="steps of short prompts")
-    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--aux-weight", type=float, default=1.0)
+    parser.add_argument("--short-steps", type=int, default=800, help="steps of short prompts")
+    parser.add_argument("--short-passages", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -187,8 +191,11 @@ def main(argv: list[str] | None = None) -> None:
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
     )
     generator = CorpusGenerator(args.seed)
-    short_generators: dict[int, CorpusGenerator] = {}
-    validation = [CorpusGenerator(VALIDATION_SEED).example(KINDS[i % 3]) for i in range(240)]
+    # Short prompts first: the copying heads form sooner on 1-2 passages than on 3-6.
+    short_generator = CorpusGenerator(args.seed + 1, min_passages=1,
+                                      max_passages=args.short_passages)  # fmt: skip
+    validating = CorpusGenerator(VALIDATION_SEED)
+    validation = [validating.example(KINDS[i % 3]) for i in range(240)]
 
     started = time.monotonic()
     model.train()
@@ -202,13 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                        elapsed_min / args.minutes)  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(progress, step, args.lr, args.warmup)
-        # Curriculum: prompts grow from 1-2 passages to the full 3-6 over --short-steps.
-        if step < args.short_steps:
-            longest = 2 + (4 * step) // args.short_steps
-            source = short_generators.setdefault(longest, CorpusGenerator(
-                args.seed + longest, min_passages=max(1, longest - 3), max_passages=longest))
-        else:
-            source = generator
+        # Curriculum: 1 to --short-passages passages for the first --short-steps steps.
+        source = short_generator if step < args.short_steps else generator
         examples = list(source.examples(args.batch, TRAIN_WEIGHTS))
         batch = collate([encode(builder, e) for e in examples], tokenizer.pad_token_id)
         with torch.autocast("cpu", dtype=torch.bfloat16):
