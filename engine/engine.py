@@ -237,11 +237,13 @@ class Engine:
             ratio, check_layers, decision = self._choose(
                 layout, mode, recompute_ratio, tiers, prefix_kv is not None
             )
-            cached = [t is not None and not (decision and decision.full_prefill) for t in tiers]
+            # The controller's fallback is a true full prefill: with every position computed,
+            # the plain causal kernel beats any reuse.
+            fallback = decision is not None and decision.full_prefill
             plan = plan_prefill(
                 layout,
-                mode,
-                cached,
+                Mode.FULL_PREFILL if fallback else mode,
+                [t is not None for t in tiers],
                 prefix_kv is not None,
                 self.prompts.chunk_prefix,
                 ratio,
@@ -262,7 +264,9 @@ class Engine:
                     for j, present in zip(streamed, stream.present, strict=True):
                         tiers[j] = tiers[j] if present else None
                     continue
-                output = run_prefill(self.runner, plan, prefix_kv, stream)
+                output = run_prefill(
+                    self.runner, plan, prefix_kv if plan.prefix_cached else None, stream
+                )
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
                 failed = [j for j in streamed if keys[j] == exc.key] or streamed

@@ -12,7 +12,7 @@ import torch
 from engine.engine import Engine
 from engine.model import load_model
 from engine.plan import ChunkSource
-from engine.types import GenerateRequest
+from engine.types import GenerateRequest, Mode
 from kvstore import format as kvformat
 from kvstore.store import KVStore, KVStoreConfig
 
@@ -149,5 +149,27 @@ def test_loading_layer_i_plus_1_overlaps_computing_layer_i(checkpoint_dir, tmp_p
     assert 0.0 < result.timings.overlap <= 1.0
     assert result.chunk_tiers == ["ssd", "ssd", "ssd"]
     assert result.load_bytes_by_tier["ssd"] > 0
+    engine.close()
+    engine.store.close()
+
+
+def test_the_controller_falls_back_to_full_prefill_when_loads_are_slower_than_compute(
+    checkpoint_dir, tmp_path, make_chunks
+):
+    engine = ssd_engine(checkpoint_dir("llama"), tmp_path / "kv", kv_read_delay_s=0.3)
+    chunks = make_chunks(3, seed=57)
+    engine.precompute(chunks)
+    engine.store.flush()
+    warm_prefix(engine)
+    controlled = GenerateRequest(question="what does kalo hold?", chunks=chunks, max_tokens=4)
+    first = engine.generate(controlled)  # blends, and measures how slow this tier is
+    assert first.blend.chosen_by == "controller" and not first.blend.fell_back_to_full_prefill
+    assert first.load_bytes_by_tier["ssd"] > 0
+
+    second = engine.prefill(controlled)
+    assert second.decision.full_prefill
+    assert second.load_bytes_by_tier == {}  # nothing was waited for
+    full = engine.prefill(GenerateRequest(**{**vars(controlled), "mode": Mode.FULL_PREFILL}))
+    torch.testing.assert_close(second.output.logits, full.output.logits, rtol=1e-4, atol=1e-5)
     engine.close()
     engine.store.close()
