@@ -429,12 +429,6 @@ class Engine:
         async for event in self.start(request):
             yield event
 
-    async def agenerate(self, request: GenerateRequest) -> GenerateResult:
-        async for event in self.start(request):
-            if isinstance(event, GenerateResult):
-                return event
-        raise AssertionError("the generation ended without a result")
-
     async def aprecompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
         """Precompute chunk by chunk as background work: a waiting generation goes first."""
         parts = await asyncio.gather(
