@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from engine.synthetic import save_random_checkpoint
 from tests.gateway.gateway_testutil import DOCUMENTS, wait_precomputed
 from tests.service_process import Service, free_port
 
@@ -38,8 +39,12 @@ def services(tmp_path_factory) -> Iterator[Spawn]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(checkpoint_dir) -> str:
-    return checkpoint_dir("llama")
+def tiny_model(tmp_path_factory) -> str:
+    """The tiny llama of the engine tests, with room for generations long enough to still be
+    running while a test disconnects or saturates."""
+    path = tmp_path_factory.mktemp("gateway-ckpt")
+    save_random_checkpoint("llama", path, seed=1, initializer_range=0.1, max_positions=8192)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +76,9 @@ def spawn_engine(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
             str(store),
             "--queue-depth",
             "1",
+            # A fixed ratio: these tests pin the gateway, the controller has its own tests.
+            "--recompute-ratio",
+            "0.15",
             *args,
             port=port,
         )

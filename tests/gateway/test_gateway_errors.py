@@ -63,6 +63,7 @@ def test_completion_without_a_prompt_is_a_422(client):
 
 
 def test_prompt_too_long_for_the_model_is_the_engines_422(client):
-    response = client.post("/v1/query", json={"question": "x", "max_tokens": 1020})
+    question = "kalo zu " * 3000  # with max_tokens, beyond the model's 8192 positions
+    response = client.post("/v1/query", json={"question": question, "max_tokens": 4000})
     assert response.status_code == 422
     assert response.json()["detail"].startswith("engine")
