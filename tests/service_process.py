@@ -33,6 +33,19 @@ def service_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> bool:
+    """Poll `url` until it answers 200 (True), the process ends or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 @dataclass
 class Service:
     """`python -m ragblend NAME --host 127.0.0.1 --port PORT ARGS...`; `env` adds variables."""
@@ -75,20 +88,12 @@ class Service:
                 stderr=subprocess.STDOUT,
                 env=service_env(**self.env),
             )
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(
-                    f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}{ready_path}", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_ready(self.proc, f"{self.url}{ready_path}", STARTUP_TIMEOUT_S):
+            return self
+        code = self.proc.poll()
         self.stop(signal.SIGKILL)
-        pytest.fail(f"{self.name} did not become ready:\n{self.log()[-4000:]}")
+        what = "did not become ready" if code is None else f"exited with {code}"
+        pytest.fail(f"{self.name} {what}:\n{self.log()[-4000:]}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
         """Send `sig` and wait for the end (SIGKILL after `timeout_s`); the exit code."""

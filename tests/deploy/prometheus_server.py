@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import yaml
 
 from tests.deploy.deploy_files import ALERTS, PROMETHEUS_CONFIG, load_yaml
-from tests.service_process import free_port
+from tests.service_process import free_port, wait_ready
 
 SCRAPE_INTERVAL = "1s"
 
@@ -72,15 +71,7 @@ def start_prometheus(targets: dict[str, str], workdir: Path) -> PrometheusServer
             stderr=subprocess.STDOUT,
         )
     server = PrometheusServer(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"prometheus exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{server.url}/-/ready", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    if wait_ready(proc, f"{server.url}/-/ready", 60):
+        return server
     server.stop()
     pytest.fail(f"prometheus did not become ready:\n{log_path.read_text()}")

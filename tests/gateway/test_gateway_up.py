@@ -13,24 +13,27 @@ import httpx
 from tests.service_process import REPO_ROOT, free_port, service_env
 
 
+def up_command(model: str, data_dir, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ragblend",
+        "up",
+        "--model",
+        model,
+        "--data-dir",
+        str(data_dir),
+        *args,
+    ]
+
+
 def test_up_with_a_port_in_use_exits_naming_the_port_and_service(tiny_model, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ragblend",
-                "up",
-                "--model",
-                tiny_model,
-                "--data-dir",
-                str(tmp_path),
-                "--engine-port",
-                str(port),
-            ],
+            up_command(tiny_model, tmp_path, "--engine-port", str(port)),
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
@@ -59,19 +62,8 @@ def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(ti
     (samples / "river.md").write_text("The Zorblax river flows through Quendor.\n")
     (samples / "pass.txt").write_text("Travelers cross the Vantir mountains by the Kessa pass.\n")
     ports = {name: free_port() for name in ("gateway", "retriever", "engine")}
-    command = [
-        sys.executable,
-        "-m",
-        "ragblend",
-        "up",
-        "--model",
-        tiny_model,
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--documents",
-        str(samples),
-        *(arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))),
-    ]
+    port_args = [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
+    command = up_command(tiny_model, tmp_path / "data", "--documents", str(samples), *port_args)
     log = tmp_path / "up.log"
     with log.open("wb") as out:  # a file, not a pipe: nobody reads the services' logs here
         up = subprocess.Popen(
