@@ -3,10 +3,10 @@
 Three kinds of questions (`Example.kind`):
 - "single": the fact is stated, by name, in one passage;
 - "multi": two passages are needed (a person lives in a city; the city has the fact);
-- "context": the fact is stated in a passage that names nobody ("They ride a horse called
-  Veltor.") and refers to the subject of the passage just before it. Read alone, such a passage
-  is meaningless, so answering needs attention across chunks: reusing each chunk's KV computed
-  alone (full reuse) loses exactly what these questions depend on.
+- "context": the fact is stated in a passage that names nobody ("Their horse is Veltor.") and
+  refers to the subject of the passage just before it. Read alone, such a passage is
+  meaningless, so answering needs attention across chunks: reusing each chunk's KV computed alone
+  (full reuse) loses exactly what these questions depend on.
 
 Distractor passages state the same relations about other entities, so that every question has
 several plausible answers in its prompt and only reading (and linking) the right passages works.
@@ -32,25 +32,20 @@ COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"
 
 # Relations of a person (P) and of a city (C): (stated by name, stated by pronoun, question).
 PERSON_RELATIONS = {
-    "city": ("{s} lives in {v}.", "They live in {v}.", "Where does {s} live?"),
-    "job": ("{s} works as a {v}.", "They work as a {v}.", "What is the job of {s}?"),
-    "color": ("{s} likes the color {v}.", "They like the color {v}.", "Which color does {s} like?"),
-    "horse": (
-        "{s} rides a horse called {v}.",
-        "They ride a horse called {v}.",
-        "What is the name of the horse of {s}?",
-    ),
+    "city": ("{s}'s city is {v}.", "Their city is {v}.", "What is {s}'s city?"),
+    "job": ("{s}'s job is {v}.", "Their job is {v}.", "What is {s}'s job?"),
+    "color": ("{s}'s color is {v}.", "Their color is {v}.", "What is {s}'s color?"),
+    "horse": ("{s}'s horse is {v}.", "Their horse is {v}.", "What is {s}'s horse?"),
 }
 CITY_RELATIONS = {
-    "river": ("{s} lies on the river {v}.", "It lies on the river {v}.", "On which river is {s}?"),
-    "country": ("{s} is a city in {v}.", "It is a city in {v}.", "In which country is {s}?"),
-    "mayor": ("The mayor of {s} is {v}.", "Its mayor is {v}.", "Who is the mayor of {s}?"),
+    "river": ("{s}'s river is {v}.", "Its river is {v}.", "What is {s}'s river?"),
+    "country": ("{s}'s country is {v}.", "Its country is {v}.", "What is {s}'s country?"),
+    "mayor": ("{s}'s mayor is {v}.", "Its mayor is {v}.", "What is {s}'s mayor?"),
 }
-# Two-hop questions: the person's city, then a fact of that city.
 MULTI_QUESTIONS = {
-    "river": "On which river is the city where {s} lives?",
-    "country": "In which country does {s} live?",
-    "mayor": "Who is the mayor of the city where {s} lives?",
+    "river": "What is the river of {s}'s city?",
+    "country": "What is the country of {s}'s city?",
+    "mayor": "What is the mayor of {s}'s city?",
 }
 
 
@@ -72,12 +67,27 @@ NAMES = _name_pool(400)
 
 
 @dataclass(frozen=True)
+class Question:
+    question: str
+    answer: str
+    kind: str
+
+
+@dataclass(frozen=True)
 class Example:
     question: str
     answer: str
     kind: str
     passages: tuple[str, ...]
     gold: tuple[int, ...]  # indices into `passages` that the answer needs
+    # Every other question the passages answer unambiguously (training asks several at once).
+    also: tuple[Question, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Passage:
+    text: str
+    facts: tuple[Question, ...]
 
 
 @dataclass
@@ -127,7 +137,7 @@ class CorpusGenerator:
     def _relations(entity: _Entity) -> dict[str, tuple[str, str, str]]:
         return CITY_RELATIONS if entity.is_city else PERSON_RELATIONS
 
-    def named_passage(self, entity: _Entity, must: str | None, avoid: str | None) -> str:
+    def named_passage(self, entity: _Entity, must: str | None, avoid: str | None) -> _Passage:
         """One or two facts about `entity` stated by name; includes `must`, never `avoid`."""
         relations = self._relations(entity)
         others = [r for r in relations if r not in (must, avoid)]
@@ -136,16 +146,22 @@ class CorpusGenerator:
         if not chosen:
             chosen = others[:1]
         self.rng.shuffle(chosen)
-        return " ".join(relations[r][0].format(s=entity.name, v=entity.facts[r]) for r in chosen)
+        text = " ".join(relations[r][0].format(s=entity.name, v=entity.facts[r]) for r in chosen)
+        return _Passage(text, tuple(self._question(entity, r, "single") for r in chosen))
 
-    def pronoun_passage(self, entity: _Entity, relation: str) -> str:
-        return self._relations(entity)[relation][1].format(v=entity.facts[relation])
+    def pronoun_passage(self, entity: _Entity, relation: str) -> _Passage:
+        text = self._relations(entity)[relation][1].format(v=entity.facts[relation])
+        return _Passage(text, (self._question(entity, relation, "context"),))
+
+    def _question(self, entity: _Entity, relation: str, kind: str) -> Question:
+        asked = self._relations(entity)[relation][2].format(s=entity.name)
+        return Question(asked, entity.facts[relation], kind)
 
     # -- units: passages that must stay together, in order ----------------------------------
-    def _context_unit(self, entity: _Entity, relation: str) -> list[str]:
+    def _context_unit(self, entity: _Entity, relation: str) -> list[_Passage]:
         return [self.named_passage(entity, None, relation), self.pronoun_passage(entity, relation)]
 
-    def _distractor(self, relation: str, is_city: bool) -> list[str]:
+    def _distractor(self, relation: str, is_city: bool) -> list[_Passage]:
         """Mostly hard distractors: the same relation about another entity of the same kind."""
         roll = self.rng.random()
         if roll < 0.75:
@@ -163,7 +179,7 @@ class CorpusGenerator:
     def example(self, kind: str) -> Example:
         self._used = set()
         n_passages = self.rng.randint(self.min_passages, self.max_passages)
-        gold_units: list[list[str]]
+        gold_units: list[list[_Passage]]
         if kind == "single":
             is_city = self.rng.random() < 0.4
             subject = self.entity(is_city)
@@ -191,7 +207,7 @@ class CorpusGenerator:
             answer = subject.facts[relation]
         else:
             raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        # Context questions get more pronoun distractors: several "They ride..." to tell apart.
+        # Context questions get more pronoun distractors: several "Their horse is..." to tell apart.
         self.context_share = 0.65 if kind == "context" else 0.4
         units = [(unit, True) for unit in gold_units]
         count = sum(len(u) for u in gold_units)
@@ -213,12 +229,14 @@ class CorpusGenerator:
         self.rng.shuffle(units)
         passages: list[str] = []
         gold: list[int] = []
+        also: list[Question] = []
         for unit, is_gold in units:
-            for text in unit:
+            for passage in unit:
                 if is_gold:
                     gold.append(len(passages))
-                passages.append(text)
-        return Example(question, answer, kind, tuple(passages), tuple(gold))
+                passages.append(passage.text)
+                also.extend(f for f in passage.facts if f.question != question)
+        return Example(question, answer, kind, tuple(passages), tuple(gold), tuple(also))
 
     def examples(self, count: int, weights: tuple[float, ...] = (1, 1, 1)) -> Iterator[Example]:
         for _ in range(count):

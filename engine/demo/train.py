@@ -1,13 +1,14 @@
 """Train the demo model: a BPE tokenizer and a small Llama on engine-laid-out prompts.
 
-    python -m engine.demo.train --out engine/demo/model --seed 0
-    python -m engine.demo.train --init engine/demo/model --out engine/demo/model \
-        --steps 3000 --lr 8e-4 --warmup 50 --short-steps 0 --minutes 19 --seed 1   # continue
+    python -m engine.demo.train --out engine/demo/model --threads 2     # the shipped recipe
+    python -m engine.demo.train --device cuda --out /tmp/model           # the same, on a GPU
 
 Prompts are built by the engine's own PromptBuilder (prefix | passages | question), so the model
-sees at training time exactly the token layout the engine gives it. Loss: the answer tokens and
-the EOS after them, plus a weighted next-token loss on the prompt (--aux-weight). Training uses
-full-prefill prompts only, never blended or reused caches.
+sees at training time exactly the token layout the engine gives it; each prompt's passages are
+followed by --questions question branches that see the passages but not each other (packed with
+a block attention mask, exactly what each question's own prompt would compute). Loss: the
+answer tokens and the EOS after them, plus a weighted next-token loss on the prompt
+(--aux-weight). Training uses full-prefill prompts only, never blended or reused caches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo.corpus import KINDS, CorpusGenerator, Example
+from engine.demo.corpus import KINDS, CorpusGenerator, Example, Question
 from engine.prompt import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
 
 log = logging.getLogger("engine.demo.train")
@@ -80,33 +82,85 @@ def model_config(vocab_size: int, tokenizer: PreTrainedTokenizerFast, args) -> L
     )
 
 
-def encode(builder: PromptBuilder, example: Example) -> tuple[list[int], int]:
-    """Token ids of prompt + answer + EOS, and where the answer starts."""
+@dataclass(frozen=True)
+class Packed:
+    """Passages once, then several question branches that each see the passages but not each
+    other: tokens, their positions, and the answer tokens' offsets within each branch."""
+
+    context: list[int]
+    branches: list[list[int]]
+    answer_starts: list[int]
+
+
+def encode(builder: PromptBuilder, example: Example, extra: int = 0,
+           rng: random.Random | None = None) -> Packed:  # fmt: skip
+    """The example's prompt and answer, plus up to `extra` more of the questions its passages
+    answer, packed over one shared context (prefix + passages) as the engine lays it out."""
+    questions = [Question(example.question, example.answer, example.kind)]
+    if extra and example.also:
+        pool = list(example.also)
+        (rng or random).shuffle(pool)
+        questions += pool[:extra]
     layout = builder.build(example.question, example.passages)
-    answer = list(builder.encode(example.answer)) + [builder.tokenizer.eos_token_id]
-    return list(layout.token_ids) + answer, layout.num_tokens
+    context = list(layout.prefix) + [t for chunk in layout.chunks for t in chunk]
+    branches, answer_starts = [], []
+    for question in questions:
+        suffix = list(builder.build(question.question, ()).suffix)
+        answer = list(builder.encode(question.answer)) + [builder.tokenizer.eos_token_id]
+        branches.append(suffix + answer)
+        answer_starts.append(len(suffix))
+    return Packed(context, branches, answer_starts)
 
 
-def collate(rows: list[tuple[list[int], int]], pad_id: int):
-    """input_ids [B, T], attention_mask [B, T], next-token targets [B, T] (-100: no loss) and
-    a [B, T] mask of the answer positions (the logit at p-1 predicts the token at p)."""
-    width = max(len(ids) for ids, _ in rows)
+def document(builder: PromptBuilder, example: Example) -> Packed:
+    """The example's passages as a bare document after the engine's chunk-precompute prefix, the
+    way a chunk is computed alone: no system prompt, no question, next-token loss only."""
+    tokens = list(builder.chunk_prefix)
+    for passage in example.passages:
+        tokens += builder.chunk_tokens(passage)
+    return Packed(tokens, [], [])
+
+
+def collate(rows: list[Packed], pad_id: int):
+    """input_ids, position_ids, a [B, 1, T, T] boolean attention mask (causal; a branch sees
+    the context and itself), next-token targets (-100: no loss) and the answer-position mask
+    (the logit at p-1 predicts the token at p)."""
+    width = max(len(r.context) + sum(len(b) for b in r.branches) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    segment = torch.full((len(rows), width), -1, dtype=torch.long)
     targets = torch.full((len(rows), width), -100, dtype=torch.long)
     is_answer = torch.zeros((len(rows), width), dtype=torch.bool)
-    for b, (ids, answer_start) in enumerate(rows):
-        input_ids[b, : len(ids)] = torch.tensor(ids)
-        mask[b, : len(ids)] = 1
-        targets[b, : len(ids) - 1] = torch.tensor(ids[1:])
-        is_answer[b, answer_start - 1 : len(ids) - 1] = True
-    return input_ids, mask, targets, is_answer
+    for b, row in enumerate(rows):
+        n = len(row.context)
+        input_ids[b, :n] = torch.tensor(row.context)
+        positions[b, :n] = torch.arange(n)
+        segment[b, :n] = 0
+        targets[b, : n - 1] = torch.tensor(row.context[1:])
+        if row.branches:
+            targets[b, n - 1] = row.branches[0][0]
+        start = n
+        pairs = zip(row.branches, row.answer_starts, strict=True)
+        for k, (branch, answer_start) in enumerate(pairs, 1):
+            end = start + len(branch)
+            input_ids[b, start:end] = torch.tensor(branch)
+            positions[b, start:end] = torch.arange(n, n + len(branch))
+            segment[b, start:end] = k
+            targets[b, start : end - 1] = torch.tensor(branch[1:])
+            is_answer[b, start + answer_start - 1 : end - 1] = True
+            start = end
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = (segment[:, None, :] == segment[:, :, None]) | (segment[:, None, :] == 0)
+    visible = causal & same & (segment[:, :, None] >= 0)
+    visible |= torch.eye(width, dtype=torch.bool)  # padding rows attend to themselves only
+    return input_ids, positions, visible[:, None], targets, is_answer
 
 
 def losses(model: LlamaForCausalLM, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Answer loss, auxiliary next-token loss on the rest of the prompt, and answer logits."""
-    input_ids, mask, targets, is_answer = batch
-    logits = model(input_ids=input_ids, attention_mask=mask).logits.float()
+    input_ids, positions, visible, targets, is_answer = batch
+    logits = model(input_ids=input_ids, position_ids=positions, attention_mask=visible).logits
+    logits = logits.float()
     answer_logits = logits[is_answer]
     answer_loss = F.cross_entropy(answer_logits, targets[is_answer])
     rest = targets.masked_fill(is_answer, -100)
@@ -122,10 +176,11 @@ def teacher_forced_accuracy(model, builder, examples: list[Example]) -> dict[str
     for start in range(0, len(examples), 32):
         part = examples[start : start + 32]
         batch = collate([encode(builder, e) for e in part], builder.tokenizer.pad_token_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = [t.to(model.device) for t in batch]
+        with torch.autocast(model.device.type, dtype=torch.bfloat16):
             _, _, logits = losses(model, batch)
-        correct = logits.argmax(-1) == batch[2][batch[3]]
-        rows = batch[3].nonzero()[:, 0]
+        correct = logits.argmax(-1) == batch[3][batch[4]]
+        rows = batch[4].nonzero()[:, 0]
         for b, example in enumerate(part):
             hits[example.kind][0] += bool(correct[rows == b].all())
             hits[example.kind][1] += 1
@@ -156,21 +211,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
-    parser.add_argument("--steps", type=int, default=5000)
-    parser.add_argument("--minutes", type=float, default=36.0, help="stop early past this")
+    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="also decay by wall time; stop past it (not reproducible)",
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", type=torch.device, default=torch.device("cpu"))
     parser.add_argument("--vocab", type=int, default=1536)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=640)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--aux-weight", type=float, default=1.0)
-    parser.add_argument("--short-steps", type=int, default=800, help="steps of short prompts")
+    parser.add_argument("--aux-weight", type=float, default=0.1)
+    parser.add_argument("--short-steps", type=int, default=3000, help="steps of short prompts")
     parser.add_argument("--short-passages", type=int, default=2)
+    parser.add_argument("--questions", type=int, default=4,
+                        help="questions per prompt, packed over its passages")  # fmt: skip
+    parser.add_argument("--documents", type=int, default=4,
+                        help="bare-document rows per batch (see document())")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -185,12 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
+    model.to(args.device)
     builder = PromptBuilder(tokenizer)
     log.info("model: %.2fM parameters, vocab %d", model.num_parameters() / 1e6, len(tokenizer))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
     )
     generator = CorpusGenerator(args.seed)
+    data_rng = random.Random(args.seed + 2)
     # Short prompts first: the copying heads form sooner on 1-2 passages than on 3-6.
     short_generator = CorpusGenerator(args.seed + 1, min_passages=1,
                                       max_passages=args.short_passages)  # fmt: skip
@@ -201,22 +268,26 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     running = 0.0
     for step in range(args.steps):
-        # Progress is the larger of steps done and time used: on a busy machine the run still
-        # ends with a decayed learning rate inside --minutes (then it is not bit-reproducible;
-        # with a generous --minutes it is purely step-based and deterministic).
+        # Without --minutes the schedule follows steps alone and the run is deterministic. With
+        # it, progress is the larger of steps done and time used, so that a run on a busy
+        # machine still ends with a decayed learning rate inside its time budget.
         elapsed_min = (time.monotonic() - started) / 60
-        progress = max((step - args.warmup) / max(1, args.steps - args.warmup),
-                       elapsed_min / args.minutes)  # fmt: skip
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        if args.minutes:
+            progress = max(progress, elapsed_min / args.minutes)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(progress, step, args.lr, args.warmup)
         # Curriculum: 1 to --short-passages passages for the first --short-steps steps.
         source = short_generator if step < args.short_steps else generator
         examples = list(source.examples(args.batch, TRAIN_WEIGHTS))
-        batch = collate([encode(builder, e) for e in examples], tokenizer.pad_token_id)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows = [encode(builder, e, args.questions - 1, data_rng) for e in examples]
+        rows += [document(builder, e) for e in source.examples(args.documents)]
+        batch = collate(rows, tokenizer.pad_token_id)
+        batch = [t.to(args.device, non_blocking=True) for t in batch]
+        with torch.autocast(args.device.type, dtype=torch.bfloat16):
             answer_loss, rest_loss, _ = losses(model, batch)
-        # The small auxiliary loss on the prompt (names repeat in passages and questions) grows
-        # the copying heads sooner; the answer loss is what the model is for.
+        # A small auxiliary loss on the prompt teaches the passage templates; weighted 1.0 it
+        # kept every run on the answer-loss plateau (engine/demo/README.md).
         loss = answer_loss + args.aux_weight * rest_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
