@@ -227,14 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=640)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--aux-weight", type=float, default=0.1)
     parser.add_argument("--short-steps", type=int, default=3000, help="steps of short prompts")
     parser.add_argument("--short-passages", type=int, default=2)
     parser.add_argument("--questions", type=int, default=4,
                         help="questions per prompt, packed over its passages")  # fmt: skip
-    parser.add_argument("--documents", type=int, default=4,
+    parser.add_argument("--documents", type=int, default=0,
                         help="bare-document rows per batch (see document())")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)

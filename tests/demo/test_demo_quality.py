@@ -16,10 +16,10 @@ from engine.types import Mode
 NUM_QUESTIONS = 30
 # Regression guards for the shipped checkpoint, NOT the target (full_prefill >= 0.9).
 # The shipped model is under-trained: 0.28 exact match with full prefill on the 300-question
-# held-out set, 0.23 on these 30 (engine/demo/README.md). A model that does not read its prompt
+# held-out set, 0.33 on these 30 (engine/demo/README.md). A model that does not read its prompt
 # (random init, a broken layout) scores ~0.02 by guessing the answer's type, hence the floor.
-FULL_PREFILL_FLOOR = 0.15
-DOCUMENTS_FLOOR = 0.25  # 0.39 measured on the 44 questions of questions.md
+FULL_PREFILL_FLOOR = 0.2
+DOCUMENTS_FLOOR = 0.6  # 0.77 measured on the 44 questions of questions.md
 CACHEBLEND_MARGIN = 0.1  # cacheblend@0.15 at most this much exact match below full prefill
 
 FULL = Config(Mode.FULL_PREFILL)
