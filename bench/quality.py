@@ -1,7 +1,7 @@
 """Quality of blending on the demo model: exact match, F1 and KV deviation from full prefill for
 every mode and recompute ratio, per question kind, with retrieval off and on.
 
-    .venv/bin/python bench/quality.py                 # 300 held-out questions, ~3 min (--threads 2)
+    .venv/bin/python bench/quality.py --threads 2     # 300 held-out questions, ~3 min
     .venv/bin/python bench/quality.py --questions 60 --no-retrieval
 
 Retrieval off: each question's gold passages and distractors, one chunk per passage, in the
