@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.demo import MODEL_DIR  # noqa: E402
-from engine.demo.corpus import KINDS, Example, held_out  # noqa: E402
+from engine.demo.corpus import KINDS, Example, held_out, is_pronoun_passage  # noqa: E402
 from engine.demo.evaluate import Config, Outcome, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
@@ -52,7 +52,7 @@ def documents(example: Example) -> list[str]:
     """The example's passages grouped as documents: a pronoun passage joins the one before."""
     docs: list[list[str]] = []
     for passage in example.passages:
-        if docs and passage.split()[0] in ("They", "It", "Its"):
+        if docs and is_pronoun_passage(passage):
             docs[-1].append(passage)
         else:
             docs.append([passage])

@@ -219,5 +219,5 @@ def _banner(gateway: Child) -> str:
         f"\nragblend is up: gateway {gateway.url} (Ctrl-C stops all three)\n"
         "Try:\n"
         f"  curl -s {gateway.url}/v1/query -H 'Content-Type: application/json' \\\n"
-        '    -d "{\\"question\\": \\"What is Goulpu\'s job?\\", \\"top_k\\": 3}"\n'
+        '    -d "{\\"question\\": \\"What is the job of Goulpu?\\", \\"top_k\\": 3}"\n'
     )

@@ -3,7 +3,7 @@
 Three kinds of questions (`Example.kind`):
 - "single": the fact is stated, by name, in one passage;
 - "multi": two passages are needed (a person lives in a city; the city has the fact);
-- "context": the fact is stated in a passage that names nobody ("Their horse is Veltor.") and
+- "context": the fact is stated in a passage that names nobody ("Veltor is their horse.") and
   refers to the subject of the passage just before it. Read alone, such a passage is
   meaningless, so answering needs attention across chunks: reusing each chunk's KV computed alone
   (full reuse) loses exactly what these questions depend on.
@@ -31,22 +31,29 @@ COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"
           "brown", "silver", "golden"]  # fmt: skip
 
 # Relations of a person (P) and of a city (C): (stated by name, stated by pronoun, question).
+# The value comes first and the subject last, so that the sentence ends on the name a question
+# asks about: matching a question's name to the passage's is then a plain repeated-token match.
 PERSON_RELATIONS = {
-    "city": ("{s}'s city is {v}.", "Their city is {v}.", "What is {s}'s city?"),
-    "job": ("{s}'s job is {v}.", "Their job is {v}.", "What is {s}'s job?"),
-    "color": ("{s}'s color is {v}.", "Their color is {v}.", "What is {s}'s color?"),
-    "horse": ("{s}'s horse is {v}.", "Their horse is {v}.", "What is {s}'s horse?"),
+    "city": ("{v} is the city of {s}.", "{v} is their city.", "What is the city of {s}?"),
+    "job": ("{v} is the job of {s}.", "{v} is their job.", "What is the job of {s}?"),
+    "color": ("{v} is the color of {s}.", "{v} is their color.", "What is the color of {s}?"),
+    "horse": ("{v} is the horse of {s}.", "{v} is their horse.", "What is the horse of {s}?"),
 }
 CITY_RELATIONS = {
-    "river": ("{s}'s river is {v}.", "Its river is {v}.", "What is {s}'s river?"),
-    "country": ("{s}'s country is {v}.", "Its country is {v}.", "What is {s}'s country?"),
-    "mayor": ("{s}'s mayor is {v}.", "Its mayor is {v}.", "What is {s}'s mayor?"),
+    "river": ("{v} is the river of {s}.", "{v} is its river.", "What is the river of {s}?"),
+    "country": ("{v} is the country of {s}.", "{v} is its country.", "What is the country of {s}?"),
+    "mayor": ("{v} is the mayor of {s}.", "{v} is its mayor.", "What is the mayor of {s}?"),
 }
 MULTI_QUESTIONS = {
-    "river": "What is the river of {s}'s city?",
-    "country": "What is the country of {s}'s city?",
-    "mayor": "What is the mayor of {s}'s city?",
+    "river": "What is the river of the city of {s}?",
+    "country": "What is the country of the city of {s}?",
+    "mayor": "What is the mayor of the city of {s}?",
 }
+
+
+def is_pronoun_passage(text: str) -> bool:
+    """A passage that names nobody and refers to the subject of the passage before it."""
+    return text.split()[1:3] in (["is", "their"], ["is", "its"])
 
 
 def _name_pool(size: int, seed: int = 12345) -> tuple[str, ...]:
@@ -207,7 +214,7 @@ class CorpusGenerator:
             answer = subject.facts[relation]
         else:
             raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        # Context questions get more pronoun distractors: several "Their horse is..." to tell apart.
+        # Context questions get more pronoun distractors ("... is their horse.") to tell apart.
         self.context_share = 0.65 if kind == "context" else 0.4
         units = [(unit, True) for unit in gold_units]
         count = sum(len(u) for u in gold_units)

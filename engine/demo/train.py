@@ -1,6 +1,6 @@
 """Train the demo model: a BPE tokenizer and a small Llama on engine-laid-out prompts.
 
-    python -m engine.demo.train --out engine/demo/model --threads 2     # the shipped recipe
+    python -m engine.demo.train --out engine/demo/model --threads 1     # the shipped recipe
     python -m engine.demo.train --device cuda --out /tmp/model           # the same, on a GPU
 
 Prompts are built by the engine's own PromptBuilder (prefix | passages | question), so the model
@@ -122,7 +122,7 @@ def document(builder: PromptBuilder, example: Example) -> Packed:
 
 
 def collate(rows: list[Packed], pad_id: int):
-    """input_ids, position_ids, a [B, 1, T, T] boolean attention mask (causal; a branch sees
+    """input_ids, position_ids, a [B, 1, T, T] additive attention mask (causal; a branch sees
     the context and itself), next-token targets (-100: no loss) and the answer-position mask
     (the logit at p-1 predicts the token at p)."""
     width = max(len(r.context) + sum(len(b) for b in r.branches) for r in rows)
@@ -153,7 +153,10 @@ def collate(rows: list[Packed], pad_id: int):
     same = (segment[:, None, :] == segment[:, :, None]) | (segment[:, None, :] == 0)
     visible = causal & same & (segment[:, :, None] >= 0)
     visible |= torch.eye(width, dtype=torch.bool)  # padding rows attend to themselves only
-    return input_ids, positions, visible[:, None], targets, is_answer
+    # Additive, not boolean: transformers' eager attention adds the mask to the scores, so a
+    # boolean one would let every token see the future.
+    blocked = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    return input_ids, positions, blocked[:, None], targets, is_answer
 
 
 def losses(model: LlamaForCausalLM, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -195,6 +198,25 @@ def learning_rate(progress: float, step: int, peak: float, warmup: int) -> float
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def optimizers(model: LlamaForCausalLM, args) -> list[torch.optim.Optimizer]:
+    """AdamW for everything, or Muon for the hidden layers' matrices and AdamW for the rest
+    (embeddings and norms), as Muon is meant to be used. Each group keeps its peak lr."""
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
+    if args.optimizer == "adamw":
+        matrices = []
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    chosen: list[torch.optim.Optimizer] = [
+        torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
+    ]
+    if matrices:
+        chosen.append(torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.05,
+                                       adjust_lr_fn="original"))  # fmt: skip
+    for optimizer in chosen:
+        for group in optimizer.param_groups:
+            group["peak"] = group["lr"]
+    return chosen
+
+
 def save(model, tokenizer, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     copy = LlamaForCausalLM(model.config)
@@ -211,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
-    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument(
         "--minutes",
         type=float,
@@ -221,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="muon")
+    parser.add_argument("--muon-lr", type=float, default=0.02)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"))
     parser.add_argument("--vocab", type=int, default=1536)
@@ -230,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--aux-weight", type=float, default=0.1)
-    parser.add_argument("--short-steps", type=int, default=3000, help="steps of short prompts")
+    parser.add_argument("--short-steps", type=int, default=1000, help="steps of short prompts")
     parser.add_argument("--short-passages", type=int, default=2)
     parser.add_argument("--questions", type=int, default=4,
                         help="questions per prompt, packed over its passages")  # fmt: skip
@@ -250,12 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
+    # Plain matmul attention: on these short packed rows CPU SDPA's masked backward is slower.
+    model.set_attn_implementation("eager")
     model.to(args.device)
     builder = PromptBuilder(tokenizer)
     log.info("model: %.2fM parameters, vocab %d", model.num_parameters() / 1e6, len(tokenizer))
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05
-    )
+    chosen = optimizers(model, args)
     generator = CorpusGenerator(args.seed)
     data_rng = random.Random(args.seed + 2)
     # Short prompts first: the copying heads form sooner on 1-2 passages than on 3-6.
@@ -275,8 +299,9 @@ def main(argv: list[str] | None = None) -> None:
         progress = (step - args.warmup) / max(1, args.steps - args.warmup)
         if args.minutes:
             progress = max(progress, elapsed_min / args.minutes)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(progress, step, args.lr, args.warmup)
+        for optimizer in chosen:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(progress, step, group["peak"], args.warmup)
         # Curriculum: 1 to --short-passages passages for the first --short-steps steps.
         source = short_generator if step < args.short_steps else generator
         examples = list(source.examples(args.batch, TRAIN_WEIGHTS))
@@ -289,15 +314,17 @@ def main(argv: list[str] | None = None) -> None:
         # A small auxiliary loss on the prompt teaches the passage templates; weighted 1.0 it
         # kept every run on the answer-loss plateau (engine/demo/README.md).
         loss = answer_loss + args.aux_weight * rest_loss
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in chosen:
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        for optimizer in chosen:
+            optimizer.step()
         running = 0.98 * running + 0.02 * answer_loss.item() if step else answer_loss.item()
         elapsed_min = (time.monotonic() - started) / 60
         if step % 50 == 0:
             log.info("step %d loss %.4f lr %.2e %.1f min", step, running,
-                     optimizer.param_groups[0]["lr"], elapsed_min)  # fmt: skip
+                     chosen[0].param_groups[0]["lr"], elapsed_min)  # fmt: skip
         last = step == args.steps - 1 or progress >= 1.0
         if (step + 1) % args.eval_every == 0 or last:
             accuracy = teacher_forced_accuracy(model, builder, validation)

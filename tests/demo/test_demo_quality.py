@@ -8,18 +8,18 @@ import statistics
 import pytest
 
 from engine.demo import DOCUMENTS_DIR, MODEL_DIR
-from engine.demo.corpus import KINDS, CorpusGenerator, held_out
+from engine.demo.corpus import KINDS, CorpusGenerator, held_out, is_pronoun_passage
 from engine.demo.documents import build
 from engine.demo.evaluate import Config, answer, exact_match, f1_score
 from engine.types import Mode
 
 NUM_QUESTIONS = 30
 # Regression guards for the shipped checkpoint, NOT the target (full_prefill >= 0.9).
-# The shipped model is under-trained: 0.28 exact match with full prefill on the 300-question
-# held-out set, 0.33 on these 30 (engine/demo/README.md). A model that does not read its prompt
-# (random init, a broken layout) scores ~0.02 by guessing the answer's type, hence the floor.
-FULL_PREFILL_FLOOR = 0.2
-DOCUMENTS_FLOOR = 0.6  # 0.77 measured on the 44 questions of questions.md
+# The shipped model reaches 0.60 exact match with full prefill on the 300-question held-out set,
+# and 0.60 on these 30 (cacheblend@0.15: 0.63); engine/demo/README.md. A model that does not read
+# its prompt (random init, a broken layout) scores ~0.02 by guessing the answer's type.
+FULL_PREFILL_FLOOR = 0.45
+DOCUMENTS_FLOOR = 0.9  # 44 of 44 measured on questions.md
 CACHEBLEND_MARGIN = 0.1  # cacheblend@0.15 at most this much exact match below full prefill
 
 FULL = Config(Mode.FULL_PREFILL)
@@ -74,7 +74,7 @@ def test_corpus_is_seeded_and_context_passages_follow_their_referent():
         if example.kind == "context":
             named, pronoun = example.gold
             assert pronoun == named + 1
-            assert example.passages[pronoun].split()[0] in ("Their", "Its")
+            assert is_pronoun_passage(example.passages[pronoun])
             assert example.answer in example.passages[pronoun]
         if example.kind == "multi":
             assert len(example.gold) == 2
