@@ -10,7 +10,7 @@ import torch
 
 from engine.demo import MODEL_DIR
 from engine.demo.corpus import CorpusGenerator, is_pronoun_passage
-from engine.demo.train import collate, document, encode, losses
+from engine.demo.train import collate, document, encode, losses, optimizers
 from engine.prompt import PromptBuilder
 
 
@@ -72,3 +72,19 @@ def test_extra_questions_are_answered_once_by_the_passages():
             assert holders, (q, example.passages)
             if q.kind == "context":
                 assert any(is_pronoun_passage(p) for p in holders)
+
+
+def test_muon_gets_the_hidden_matrices_and_adamw_everything_else():
+    from argparse import Namespace
+
+    _, model = _builder_and_model()
+    args = Namespace(optimizer="muon", lr=1e-3, muon_lr=0.02)
+    adamw, muon = optimizers(model, args)
+    in_muon = {id(p) for group in muon.param_groups for p in group["params"]}
+    in_adamw = {id(p) for group in adamw.param_groups for p in group["params"]}
+    assert not in_muon & in_adamw
+    assert in_muon | in_adamw == {id(p) for p in model.parameters()}
+    for name, param in model.named_parameters():
+        hidden_matrix = param.ndim == 2 and "embed" not in name
+        assert (id(param) in in_muon) == hidden_matrix, name
+    assert {g["peak"] for g in muon.param_groups} == {0.02}
