@@ -201,10 +201,10 @@ def learning_rate(progress: float, step: int, peak: float, warmup: int) -> float
 def optimizers(model: LlamaForCausalLM, args) -> list[torch.optim.Optimizer]:
     """AdamW for everything, or Muon for the hidden layers' matrices and AdamW for the rest
     (embeddings and norms), as Muon is meant to be used. Each group keeps its peak lr."""
-    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
-    if args.optimizer == "adamw":
-        matrices = []
-    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    matrices, rest = [], []
+    for name, param in model.named_parameters():
+        hidden_matrix = param.ndim == 2 and "embed" not in name
+        (matrices if args.optimizer == "muon" and hidden_matrix else rest).append(param)
     chosen: list[torch.optim.Optimizer] = [
         torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     ]

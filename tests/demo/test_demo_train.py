@@ -80,11 +80,12 @@ def test_muon_gets_the_hidden_matrices_and_adamw_everything_else():
     _, model = _builder_and_model()
     args = Namespace(optimizer="muon", lr=1e-3, muon_lr=0.02)
     adamw, muon = optimizers(model, args)
-    in_muon = {id(p) for group in muon.param_groups for p in group["params"]}
-    in_adamw = {id(p) for group in adamw.param_groups for p in group["params"]}
-    assert not in_muon & in_adamw
-    assert in_muon | in_adamw == {id(p) for p in model.parameters()}
-    for name, param in model.named_parameters():
-        hidden_matrix = param.ndim == 2 and "embed" not in name
-        assert (id(param) in in_muon) == hidden_matrix, name
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {names[id(p)] for group in muon.param_groups for p in group["params"]}
+    in_adamw = {names[id(p)] for group in adamw.param_groups for p in group["params"]}
+    assert not in_muon & in_adamw and in_muon | in_adamw == set(names.values())
+    projections = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+    assert in_muon == {n for n in names.values() if n.endswith(projections)}
+    assert "model.embed_tokens.weight" in in_adamw and "model.norm.weight" in in_adamw
     assert {g["peak"] for g in muon.param_groups} == {0.02}
+    assert len(optimizers(model, Namespace(optimizer="adamw", lr=1e-3, muon_lr=0.02))) == 1
