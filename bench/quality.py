@@ -9,7 +9,8 @@ generator's fixed order. Retrieval on: every question's documents (a passage, or
 the pronoun passage that follows it: one document each) go into one in-process retriever
 (retriever.service.RetrieverService, all-MiniLM-L6-v2, flat index); each question gets its
 top-k chunks in score order. Writes bench/results/quality.csv, docs/quality_vs_ratio.png and
-docs/ttft_vs_quality.png, and prints the table.
+docs/ttft_vs_quality.png, and prints the table; bench/results/quality_binding.csv splits the
+single-hop questions by how many passages state the asked relation (see binding()).
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.demo import MODEL_DIR  # noqa: E402
-from engine.demo.corpus import KINDS, Example, held_out, is_pronoun_passage  # noqa: E402
+from engine.demo.corpus import (  # noqa: E402
+    KINDS,
+    Example,
+    held_out,
+    is_pronoun_passage,
+    named_rivals,
+)
 from engine.demo.evaluate import Config, Outcome, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
@@ -127,6 +134,19 @@ def summarize(records) -> list[dict]:
             "ttft_ms": round(1000 * statistics.median(o.ttft_s for o in outcomes), 2),
         })  # fmt: skip
     return rows
+
+
+def binding(records) -> list[dict]:
+    """Full-prefill exact match of single-hop questions (retrieval off) by how many passages state
+    the asked relation by name: what the model adds over picking one of them at random."""
+    hits: dict[int, list[float]] = defaultdict(list)
+    for setting, example, outcome, _ in records:
+        full = outcome.config.mode is Mode.FULL_PREFILL
+        if setting == "off" and example.kind == "single" and full:
+            hits[named_rivals(example)].append(outcome.exact_match)
+    return [{"named_passages_with_relation": n, "questions": len(h),
+             "exact_match": round(statistics.fmean(h), 4), "chance": round(1 / n, 4)}
+            for n, h in sorted(hits.items())]  # fmt: skip
 
 
 def label(row: dict) -> str:
@@ -226,11 +246,21 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
+    bound = binding(records)
+    with args.csv.with_name(args.csv.stem + "_binding.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(bound[0]))
+        writer.writeheader()
+        writer.writerows(bound)
     args.docs.mkdir(parents=True, exist_ok=True)
     plot(rows, args.docs)
     for setting in [s for s in ("off", "on") if any(r["retrieval"] == s for r in rows)]:
         print(f"\nretrieval {setting} ({args.questions} questions)\n")
         print(markdown_table(rows, setting))
+    print("\nsingle-hop, full prefill, retrieval off, by passages stating the asked relation\n")
+    print("| passages | questions | exact match | chance (1/n) |\n|---|---|---|---|")
+    for row in bound:
+        print(f"| {row['named_passages_with_relation']} | {row['questions']} "
+              f"| {row['exact_match']:.3f} | {row['chance']:.3f} |")  # fmt: skip
     print(f"\nwrote {args.csv}, {args.docs / 'quality_vs_ratio.png'}, "
           f"{args.docs / 'ttft_vs_quality.png'}")  # fmt: skip
 

@@ -250,6 +250,13 @@ class CorpusGenerator:
             yield self.example(self.rng.choices(KINDS, weights=weights)[0])
 
 
+def named_rivals(example: Example) -> int:
+    """How many passages state the asked relation by name (the gold one included): a single-hop
+    question with n of them is answered by chance 1 in n if the model ignores the name."""
+    relation = example.question.removeprefix("What is the ").split(" of ")[0]
+    return sum(p.count(f" is the {relation} of ") for p in example.passages)
+
+
 def held_out(count: int, seed: int = 1_000_003) -> list[Example]:
     """The evaluation set: equal thirds of each kind, from a seed training never uses."""
     generator = CorpusGenerator(seed)

@@ -8,7 +8,14 @@ import statistics
 import pytest
 
 from engine.demo import DOCUMENTS_DIR, MODEL_DIR
-from engine.demo.corpus import KINDS, CorpusGenerator, held_out, is_pronoun_passage
+from engine.demo.corpus import (
+    KINDS,
+    CorpusGenerator,
+    Example,
+    held_out,
+    is_pronoun_passage,
+    named_rivals,
+)
 from engine.demo.documents import build
 from engine.demo.evaluate import Config, answer, exact_match, f1_score
 from engine.types import Mode
@@ -78,6 +85,19 @@ def test_corpus_is_seeded_and_context_passages_follow_their_referent():
             assert example.answer in example.passages[pronoun]
         if example.kind == "multi":
             assert len(example.gold) == 2
+
+
+def test_named_rivals_counts_passages_stating_the_asked_relation_by_name():
+    passages = (
+        "Houstom is the city of Braigi. baker is the job of Braigi.",
+        "Rurkra is the city of Loumei.",
+        "grey is their city.",  # by pronoun: not a named rival
+        "Veltor is the horse of Zanos.",
+    )
+    example = Example("What is the city of Braigi?", "Houstom", "single", passages, (0,))
+    assert named_rivals(example) == 2
+    horse = Example("What is the horse of Zanos?", "Veltor", "single", passages, (3,))
+    assert named_rivals(horse) == 1
 
 
 def test_scores():
