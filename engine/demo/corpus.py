@@ -253,8 +253,11 @@ class CorpusGenerator:
 def named_rivals(example: Example) -> int:
     """How many passages state the asked relation by name (the gold one included): a single-hop
     question with n of them is answered by chance 1 in n if the model ignores the name."""
-    relation = example.question.removeprefix("What is the ").split(" of ")[0]
-    return sum(p.count(f" is the {relation} of ") for p in example.passages)
+    for named, _, question in (PERSON_RELATIONS | CITY_RELATIONS).values():
+        if example.question.startswith(question.split("{s}")[0]):
+            stated = named.split("{v}")[1].split("{s}")[0]  # " is the city of "
+            return sum(p.count(stated) for p in example.passages)
+    raise ValueError(f"not a corpus question about a relation: {example.question!r}")
 
 
 def held_out(count: int, seed: int = 1_000_003) -> list[Example]:

@@ -98,6 +98,8 @@ def test_named_rivals_counts_passages_stating_the_asked_relation_by_name():
     assert named_rivals(example) == 2
     horse = Example("What is the horse of Zanos?", "Veltor", "single", passages, (3,))
     assert named_rivals(horse) == 1
+    with pytest.raises(ValueError, match="not a corpus question"):
+        named_rivals(Example("Who is Zanos?", "a person", "single", passages, ()))
 
 
 def test_scores():
