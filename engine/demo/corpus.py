@@ -3,8 +3,8 @@
 Three kinds of questions (`Example.kind`):
 - "single": the fact is stated, by name, in one passage;
 - "multi": two passages are needed (a person lives in a city; the city has the fact);
-- "context": the fact is stated in a passage that names nobody ("Veltor is their horse.") and
-  refers to the subject of the passage just before it. Read alone, such a passage is
+- "context": the fact is stated in a passage that names nobody ("Their horse? It is Veltor.")
+  and refers to the subject of the passage just before it. Read alone, such a passage is
   meaningless, so answering needs attention across chunks: reusing each chunk's KV computed alone
   (full reuse) loses exactly what these questions depend on.
 
@@ -30,20 +30,20 @@ JOBS = ["baker", "farmer", "smith", "sailor", "weaver", "potter", "miner", "hunt
 COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "grey",
           "brown", "silver", "golden"]  # fmt: skip
 
-# Relations of a person (P) and of a city (C): (stated by name, stated by pronoun, question).
-# The value comes first and the subject last, so that the sentence ends on the name a question
-# asks about: matching a question's name to the passage's is then a plain repeated-token match.
+# Relations of a person and of a city: (stated by name, stated by pronoun, question). A fact is
+# written as a question and its answer, so that the tokens before its value end exactly as a
+# question's tokens before `Answer:` do: "... city of Braigi? It is Houstom." against "... city of
+# Braigi?\nAnswer:". The subject is SUBJECT_OFFSET tokens before the value in both, the relation
+# word two more; the demo model's structured initialisation (circuit.py) rests on that.
 PERSON_RELATIONS = {
-    "city": ("{v} is the city of {s}.", "{v} is their city.", "What is the city of {s}?"),
-    "job": ("{v} is the job of {s}.", "{v} is their job.", "What is the job of {s}?"),
-    "color": ("{v} is the color of {s}.", "{v} is their color.", "What is the color of {s}?"),
-    "horse": ("{v} is the horse of {s}.", "{v} is their horse.", "What is the horse of {s}?"),
+    r: (f"The {r} of {{s}}? It is {{v}}.", f"Their {r}? It is {{v}}.", f"What is the {r} of {{s}}?")
+    for r in ("city", "job", "color", "horse")
 }
 CITY_RELATIONS = {
-    "river": ("{v} is the river of {s}.", "{v} is its river.", "What is the river of {s}?"),
-    "country": ("{v} is the country of {s}.", "{v} is its country.", "What is the country of {s}?"),
-    "mayor": ("{v} is the mayor of {s}.", "{v} is its mayor.", "What is the mayor of {s}?"),
+    r: (f"The {r} of {{s}}? It is {{v}}.", f"Its {r}? It is {{v}}.", f"What is the {r} of {{s}}?")
+    for r in ("river", "country", "mayor")
 }
+SUBJECT_OFFSET = 4
 MULTI_QUESTIONS = {
     "river": "What is the river of the city of {s}?",
     "country": "What is the country of the city of {s}?",
@@ -53,7 +53,7 @@ MULTI_QUESTIONS = {
 
 def is_pronoun_passage(text: str) -> bool:
     """A passage that names nobody and refers to the subject of the passage before it."""
-    return text.split()[1:3] in (["is", "their"], ["is", "its"])
+    return text.split()[0] in ("Their", "Its")
 
 
 def _name_pool(size: int, seed: int = 12345) -> tuple[str, ...]:
@@ -214,7 +214,7 @@ class CorpusGenerator:
             answer = subject.facts[relation]
         else:
             raise ValueError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        # Context questions get more pronoun distractors ("... is their horse.") to tell apart.
+        # Context questions get more pronoun distractors ("Their horse? It is ...") to tell apart.
         self.context_share = 0.65 if kind == "context" else 0.4
         units = [(unit, True) for unit in gold_units]
         count = sum(len(u) for u in gold_units)
@@ -255,7 +255,7 @@ def named_rivals(example: Example) -> int:
     question with n of them is answered by chance 1 in n if the model ignores the name."""
     for named, _, question in (PERSON_RELATIONS | CITY_RELATIONS).values():
         if example.question.startswith(question.split("{s}")[0]):
-            stated = named.split("{v}")[1].split("{s}")[0]  # " is the city of "
+            stated = named.split("{s}")[0]  # "The city of "
             return sum(p.count(stated) for p in example.passages)
     raise ValueError(f"not a corpus question about a relation: {example.question!r}")
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from engine.demo.circuit import Circuit, install
 from engine.demo.corpus import KINDS, CorpusGenerator, Example, Question
 from engine.prompt import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
 
@@ -260,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="questions per prompt, packed over its passages")  # fmt: skip
     parser.add_argument("--documents", type=int, default=0,
                         help="bare-document rows per batch (see document())")  # fmt: skip
+    parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
+                        help="structured init of the name lookup (circuit.py)")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
+        if args.circuit:
+            install(model, Circuit(seed=args.seed))
     # Plain matmul attention: on these short packed rows CPU SDPA's masked backward is slower.
     model.set_attn_implementation("eager")
     model.to(args.device)

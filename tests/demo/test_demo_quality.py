@@ -89,10 +89,10 @@ def test_corpus_is_seeded_and_context_passages_follow_their_referent():
 
 def test_named_rivals_counts_passages_stating_the_asked_relation_by_name():
     passages = (
-        "Houstom is the city of Braigi. baker is the job of Braigi.",
-        "Rurkra is the city of Loumei.",
-        "grey is their city.",  # by pronoun: not a named rival
-        "Veltor is the horse of Zanos.",
+        "The city of Braigi? It is Houstom. The job of Braigi? It is baker.",
+        "The city of Loumei? It is Rurkra.",
+        "Their city? It is Gassair.",  # by pronoun: not a named rival
+        "The horse of Zanos? It is Veltor.",
     )
     example = Example("What is the city of Braigi?", "Houstom", "single", passages, (0,))
     assert named_rivals(example) == 2

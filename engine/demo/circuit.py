@@ -1,0 +1,121 @@
+"""A structured initialisation of the demo model: the name lookup that training alone never finds.
+
+Layer 0 gets relative-position heads that copy the token a fixed number of places back; layer 1
+gets heads that match those copies, so that from step 0 a question's answer position attends to
+the value of the fact about the question's subject (why and what it took: engine/demo/README.md).
+It relies on the corpus templates putting a fact's subject as far before its value as a question
+puts it before `Answer:` (`corpus.SUBJECT_OFFSET`). Training then refines every weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaForCausalLM
+
+from engine.demo.corpus import SUBJECT_OFFSET
+
+
+@dataclass(frozen=True)
+class Circuit:
+    # Places back that the layer-0 heads copy from: the subject, then the relation word.
+    offsets: tuple[int, ...] = (SUBJECT_OFFSET, SUBJECT_OFFSET + 2)
+    sharpness: float = 50.0  # positional query scale: a softmax gap of ~6 to the neighbours
+    copy_scale: float = 0.1  # what a positional head writes, against an embedding of norm ~0.7
+    match_scale: float = 6.0  # lookup query/key scale (scores grow with its square)
+    value_scale: float = 4.0  # how strongly a lookup head writes the token it finds
+    span: int = 200  # positions over which a lookup must not be rotated away by RoPE
+    seed: int = 0
+
+
+@torch.no_grad()
+def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
+    """Overwrite the freshly initialised `model` in place (layers 0 and 1, the embeddings)."""
+    config = model.config
+    heads, kv_heads, hidden = (config.num_attention_heads, config.num_key_value_heads,
+                               config.hidden_size)  # fmt: skip
+    head_dim = hidden // heads
+    group = heads // kv_heads
+    if len(circuit.offsets) > group or config.num_hidden_layers < 2:
+        raise ValueError("the circuit needs one key group of layer 0 and two layers")
+    generator = torch.Generator().manual_seed(circuit.seed)
+    basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))
+    constant = basis[:, 0]
+    # One private subspace per positional head: nothing else may write there, or the lookup
+    # would match on noise shared by every position.
+    count = len(circuit.offsets)
+    spaces = [basis[:, 1 + i * head_dim : 1 + (i + 1) * head_dim].T for i in range(count)]
+    private = torch.cat(spaces)
+
+    embed = model.model.embed_tokens.weight
+    embed -= (embed @ private.T) @ private
+    # Every token gets the same component along `constant` and none of its own, so that after
+    # RMSNorm a query or key read from it is the same vector at every position: attention that
+    # depends on relative position alone.
+    embed -= (embed @ constant)[:, None] * constant
+    embed += constant * 2 * embed.norm(dim=1).mean()
+    normed = embed / embed.pow(2).mean(dim=1, keepdim=True).sqrt()
+    level = (normed @ constant).mean()
+
+    _positional_heads(model, circuit, spaces, constant / level, head_dim, group, generator)
+    _lookup_heads(model, circuit, spaces[0], head_dim, group, generator)
+
+
+def _frequencies(model: LlamaForCausalLM, head_dim: int) -> torch.Tensor:
+    theta = model.config.rope_parameters["rope_theta"]
+    return theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+
+
+def _orthonormal_rows(count: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(width, count, generator=generator))
+    return q.T
+
+
+def _positional_heads(model, circuit, spaces, reader, head_dim, group, generator) -> None:
+    """Heads 0.. of layer 0 (key group 0): head h attends `offsets[h]` places back and writes a
+    copy of that token into `spaces[h]`. RoPE turns a constant query q and key k into a score
+    sum_p Re(q_p conj(k_p) e^{i d theta_p}) at distance d; q_p = A e^{-i k theta_p} and k_p = 1
+    peak it at d = k."""
+    attention = model.model.layers[0].self_attn
+    half = head_dim // 2
+    theta = _frequencies(model, head_dim)
+    attention.k_proj.weight[:head_dim] = 0
+    attention.k_proj.weight[:half] = reader
+    value = _orthonormal_rows(head_dim, reader.numel(), generator)
+    constant = reader / reader.norm()
+    attention.v_proj.weight[:head_dim] = value - (value @ constant)[:, None] * constant
+    for head, offset in enumerate(circuit.offsets):
+        rows = slice(head * head_dim, (head + 1) * head_dim)
+        phase = offset * theta
+        query = circuit.sharpness * torch.cat([torch.cos(phase), -torch.sin(phase)])
+        attention.q_proj.weight[rows] = query[:, None] * reader
+        attention.o_proj.weight[:, rows] = circuit.copy_scale * spaces[head].T
+    private = torch.cat(spaces)
+    mine = len(circuit.offsets) * head_dim
+    attention.o_proj.weight[:, mine:] -= private.T @ (private @ attention.o_proj.weight[:, mine:])
+    down = model.model.layers[0].mlp.down_proj.weight
+    down -= private.T @ (private @ down)
+
+
+def _lookup_heads(model, circuit, subject_space, head_dim, group, generator) -> None:
+    """Key group 0 of layer 1: query and key both read the subject copied by the first
+    positional head, so a position attends to the positions whose subject is its own, and
+    writes the token found there. Only RoPE pairs slow enough not to turn over within
+    `span` positions carry the match."""
+    attention = model.model.layers[1].self_attn
+    half = head_dim // 2
+    theta = _frequencies(model, head_dim)
+    slow = [p for p in range(half) if theta[p] * circuit.span < 1.0]
+    rows = torch.tensor(slow + [p + half for p in slow])
+    reads = circuit.match_scale * subject_space[: len(rows)]
+    attention.k_proj.weight[:head_dim] = 0
+    attention.k_proj.weight[rows] = reads
+    copy = _orthonormal_rows(head_dim, subject_space.shape[1], generator)
+    attention.v_proj.weight[:head_dim] = copy
+    for head in range(group):
+        attention.q_proj.weight[head * head_dim : (head + 1) * head_dim] = 0
+        attention.q_proj.weight[head * head_dim + rows] = reads
+        attention.o_proj.weight[:, head * head_dim : (head + 1) * head_dim] = (
+            circuit.value_scale / group * copy.T
+        )
