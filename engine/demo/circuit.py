@@ -14,13 +14,17 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaForCausalLM
 
-from engine.demo.corpus import SUBJECT_OFFSET
+from engine.demo.corpus import REFERENT_OFFSET, SUBJECT_OFFSET
 
 
 @dataclass(frozen=True)
 class Circuit:
-    # Places back that the layer-0 heads copy from: the subject, then the relation word.
-    offsets: tuple[int, ...] = (SUBJECT_OFFSET, SUBJECT_OFFSET + 2)
+    # Places back that the layer-0 heads copy from: a fact's subject, its relation word, and the
+    # subject of the passage before a pronoun passage.
+    offsets: tuple[int, ...] = (SUBJECT_OFFSET, SUBJECT_OFFSET + 2, REFERENT_OFFSET)
+    # Layer-1 lookups, one per key group: (offset index read by the query, by the key). The
+    # question's subject against a fact's subject, and against a pronoun fact's referent.
+    lookups: tuple[tuple[int, int], ...] = ((0, 0), (0, 2))
     sharpness: float = 50.0  # positional query scale: a softmax gap of ~6 to the neighbours
     copy_scale: float = 0.1  # what a positional head writes, against an embedding of norm ~0.7
     match_scale: float = 6.0  # lookup query/key scale (scores grow with its square)
@@ -37,8 +41,12 @@ def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
                                config.hidden_size)  # fmt: skip
     head_dim = hidden // heads
     group = heads // kv_heads
-    if len(circuit.offsets) > group or config.num_hidden_layers < 2:
-        raise ValueError("the circuit needs one key group of layer 0 and two layers")
+    if (
+        len(circuit.offsets) > heads
+        or len(circuit.lookups) > kv_heads
+        or config.num_hidden_layers < 2
+    ):
+        raise ValueError("the circuit needs a head per offset and a key group per lookup")
     generator = torch.Generator().manual_seed(circuit.seed)
     basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))
     constant = basis[:, 0]
@@ -59,7 +67,7 @@ def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
     level = (normed @ constant).mean()
 
     _positional_heads(model, circuit, spaces, constant / level, head_dim, group, generator)
-    _lookup_heads(model, circuit, spaces[0], head_dim, group, generator)
+    _lookup_heads(model, circuit, spaces, head_dim, group, generator)
 
 
 def _frequencies(model: LlamaForCausalLM, head_dim: int) -> torch.Tensor:
@@ -73,18 +81,22 @@ def _orthonormal_rows(count: int, width: int, generator: torch.Generator) -> tor
 
 
 def _positional_heads(model, circuit, spaces, reader, head_dim, group, generator) -> None:
-    """Heads 0.. of layer 0 (key group 0): head h attends `offsets[h]` places back and writes a
-    copy of that token into `spaces[h]`. RoPE turns a constant query q and key k into a score
+    """Heads 0.. of layer 0: head h attends `offsets[h]` places back and writes a copy of that
+    token into `spaces[h]`, all through the same value map, so that copies made at different
+    distances can be compared. RoPE turns a constant query q and key k into a score
     sum_p Re(q_p conj(k_p) e^{i d theta_p}) at distance d; q_p = A e^{-i k theta_p} and k_p = 1
     peak it at d = k."""
     attention = model.model.layers[0].self_attn
     half = head_dim // 2
     theta = _frequencies(model, head_dim)
-    attention.k_proj.weight[:head_dim] = 0
-    attention.k_proj.weight[:half] = reader
     value = _orthonormal_rows(head_dim, reader.numel(), generator)
     constant = reader / reader.norm()
-    attention.v_proj.weight[:head_dim] = value - (value @ constant)[:, None] * constant
+    value -= (value @ constant)[:, None] * constant
+    for kv in range(-(-len(circuit.offsets) // group)):
+        rows = slice(kv * head_dim, (kv + 1) * head_dim)
+        attention.k_proj.weight[rows] = 0
+        attention.k_proj.weight[kv * head_dim : kv * head_dim + half] = reader
+        attention.v_proj.weight[rows] = value
     for head, offset in enumerate(circuit.offsets):
         rows = slice(head * head_dim, (head + 1) * head_dim)
         phase = offset * theta
@@ -98,24 +110,28 @@ def _positional_heads(model, circuit, spaces, reader, head_dim, group, generator
     down -= private.T @ (private @ down)
 
 
-def _lookup_heads(model, circuit, subject_space, head_dim, group, generator) -> None:
-    """Key group 0 of layer 1: query and key both read the subject copied by the first
-    positional head, so a position attends to the positions whose subject is its own, and
-    writes the token found there. Only RoPE pairs slow enough not to turn over within
-    `span` positions carry the match."""
+def _lookup_heads(model, circuit, spaces, head_dim, group, generator) -> None:
+    """Key group g of layer 1 serves lookups[g]: its queries read one positional head's copy and
+    its keys another's, so a position attends to the positions whose copied token is its own
+    (the question's subject at `Answer:` against a fact's subject, or a pronoun fact's
+    referent), and writes the token found there. Only RoPE pairs slow enough not to turn over
+    within `span` positions carry the match."""
     attention = model.model.layers[1].self_attn
     half = head_dim // 2
     theta = _frequencies(model, head_dim)
     slow = [p for p in range(half) if theta[p] * circuit.span < 1.0]
     rows = torch.tensor(slow + [p + half for p in slow])
-    reads = circuit.match_scale * subject_space[: len(rows)]
-    attention.k_proj.weight[:head_dim] = 0
-    attention.k_proj.weight[rows] = reads
-    copy = _orthonormal_rows(head_dim, subject_space.shape[1], generator)
-    attention.v_proj.weight[:head_dim] = copy
-    for head in range(group):
-        attention.q_proj.weight[head * head_dim : (head + 1) * head_dim] = 0
-        attention.q_proj.weight[head * head_dim + rows] = reads
-        attention.o_proj.weight[:, head * head_dim : (head + 1) * head_dim] = (
-            circuit.value_scale / group * copy.T
-        )
+    copy = _orthonormal_rows(head_dim, spaces[0].shape[1], generator)
+    for kv, (asks, holds) in enumerate(circuit.lookups):
+        base = kv * head_dim
+        attention.k_proj.weight[base : base + head_dim] = 0
+        attention.k_proj.weight[base + rows] = circuit.match_scale * spaces[holds][: len(rows)]
+        attention.v_proj.weight[base : base + head_dim] = copy
+        for head in range(kv * group, (kv + 1) * group):
+            attention.q_proj.weight[head * head_dim : (head + 1) * head_dim] = 0
+            attention.q_proj.weight[head * head_dim + rows] = (
+                circuit.match_scale * spaces[asks][: len(rows)]
+            )
+            attention.o_proj.weight[:, head * head_dim : (head + 1) * head_dim] = (
+                circuit.value_scale / group * copy.T
+            )

@@ -44,6 +44,9 @@ CITY_RELATIONS = {
     for r in ("river", "country", "mayor")
 }
 SUBJECT_OFFSET = 4
+# A pronoun passage's value is this far after the subject of the passage before it: "... of
+# Braigi? It is Houstom.⏎⏎Their color? It is grey." (one-token values and relation words).
+REFERENT_OFFSET = 13
 MULTI_QUESTIONS = {
     "river": "What is the river of the city of {s}?",
     "country": "What is the country of the city of {s}?",

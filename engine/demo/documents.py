@@ -3,7 +3,7 @@
     python -m engine.demo.documents     # rewrites engine/demo/documents/ and questions.md
 
 One file per invented person or city: a passage stating facts by name, sometimes followed by a
-pronoun passage ("... is their horse.") that only makes sense after it. Every file is
+pronoun passage ("Their horse? It is ...") that only makes sense after it. Every file is
 far below the retriever's default chunk size, so each file is one chunk and the pronoun passage
 stays behind its referent; people live in the bundled cities, so some questions need two files.
 """
