@@ -30,6 +30,9 @@ class Circuit:
     match_scale: float = 6.0  # lookup query/key scale (scores grow with its square)
     value_scale: float = 4.0  # how strongly a lookup head writes the token it finds
     span: int = 200  # positions over which a lookup must not be rotated away by RoPE
+    # Layer 1's first lookup also writes what it found where layer 2 can look it up as a subject
+    # in turn: the second hop of "What is the river of the city of Braigi?".
+    second_hop: bool = False
     seed: int = 0
 
 
@@ -44,17 +47,20 @@ def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
     if (
         len(circuit.offsets) > heads
         or len(circuit.lookups) > kv_heads
-        or config.num_hidden_layers < 2
+        or config.num_hidden_layers < 2 + circuit.second_hop
     ):
         raise ValueError("the circuit needs a head per offset and a key group per lookup")
     generator = torch.Generator().manual_seed(circuit.seed)
     basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))
     constant = basis[:, 0]
-    # One private subspace per positional head: nothing else may write there, or the lookup
-    # would match on noise shared by every position.
-    count = len(circuit.offsets)
+    # One private subspace per positional head (and one for the second hop).
+    count = len(circuit.offsets) + circuit.second_hop
     spaces = [basis[:, 1 + i * head_dim : 1 + (i + 1) * head_dim].T for i in range(count)]
     private = torch.cat(spaces)
+    # What heads read a token's identity through and write it back with: the token subspace
+    # only, so that copies never land in a private subspace.
+    free = basis[:, 1 + count * head_dim :].T
+    value, copy = free[:head_dim], free[head_dim : 2 * head_dim]
 
     embed = model.model.embed_tokens.weight
     embed -= (embed @ private.T) @ private
@@ -66,8 +72,9 @@ def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
     normed = embed / embed.pow(2).mean(dim=1, keepdim=True).sqrt()
     level = (normed @ constant).mean()
 
-    _positional_heads(model, circuit, spaces, constant / level, head_dim, group, generator)
-    _lookup_heads(model, circuit, spaces, head_dim, group, generator)
+    _positional_heads(model, circuit, spaces, constant / level, value, head_dim, group)
+    _lookup_heads(model, circuit, spaces, value, copy, head_dim, group)
+    _keep_out(model, private, circuit, head_dim, group)
 
 
 def _frequencies(model: LlamaForCausalLM, head_dim: int) -> torch.Tensor:
@@ -75,12 +82,7 @@ def _frequencies(model: LlamaForCausalLM, head_dim: int) -> torch.Tensor:
     return theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
 
 
-def _orthonormal_rows(count: int, width: int, generator: torch.Generator) -> torch.Tensor:
-    q, _ = torch.linalg.qr(torch.randn(width, count, generator=generator))
-    return q.T
-
-
-def _positional_heads(model, circuit, spaces, reader, head_dim, group, generator) -> None:
+def _positional_heads(model, circuit, spaces, reader, value, head_dim, group) -> None:
     """Heads 0.. of layer 0: head h attends `offsets[h]` places back and writes a copy of that
     token into `spaces[h]`, all through the same value map, so that copies made at different
     distances can be compared. RoPE turns a constant query q and key k into a score
@@ -89,9 +91,6 @@ def _positional_heads(model, circuit, spaces, reader, head_dim, group, generator
     attention = model.model.layers[0].self_attn
     half = head_dim // 2
     theta = _frequencies(model, head_dim)
-    value = _orthonormal_rows(head_dim, reader.numel(), generator)
-    constant = reader / reader.norm()
-    value -= (value @ constant)[:, None] * constant
     for kv in range(-(-len(circuit.offsets) // group)):
         rows = slice(kv * head_dim, (kv + 1) * head_dim)
         attention.k_proj.weight[rows] = 0
@@ -103,35 +102,49 @@ def _positional_heads(model, circuit, spaces, reader, head_dim, group, generator
         query = circuit.sharpness * torch.cat([torch.cos(phase), -torch.sin(phase)])
         attention.q_proj.weight[rows] = query[:, None] * reader
         attention.o_proj.weight[:, rows] = circuit.copy_scale * spaces[head].T
-    private = torch.cat(spaces)
-    mine = len(circuit.offsets) * head_dim
-    attention.o_proj.weight[:, mine:] -= private.T @ (private @ attention.o_proj.weight[:, mine:])
-    down = model.model.layers[0].mlp.down_proj.weight
-    down -= private.T @ (private @ down)
 
 
-def _lookup_heads(model, circuit, spaces, head_dim, group, generator) -> None:
+def _lookup_heads(model, circuit, spaces, value, copy, head_dim, group) -> None:
     """Key group g of layer 1 serves lookups[g]: its queries read one positional head's copy and
     its keys another's, so a position attends to the positions whose copied token is its own
     (the question's subject at `Answer:` against a fact's subject, or a pronoun fact's
-    referent), and writes the token found there. Only RoPE pairs slow enough not to turn over
-    within `span` positions carry the match."""
-    attention = model.model.layers[1].self_attn
+    referent), and writes the token found there. With `second_hop`, the first lookup also
+    writes it into the last private subspace, and key group 0 of layer 2 looks that token up
+    among the facts' subjects. Only RoPE pairs slow enough not to turn over within `span`
+    positions carry a match."""
     half = head_dim // 2
     theta = _frequencies(model, head_dim)
     slow = [p for p in range(half) if theta[p] * circuit.span < 1.0]
     rows = torch.tensor(slow + [p + half for p in slow])
-    copy = _orthonormal_rows(head_dim, spaces[0].shape[1], generator)
-    for kv, (asks, holds) in enumerate(circuit.lookups):
+    lookups = [
+        (1, kv, spaces[asks], spaces[holds]) for kv, (asks, holds) in enumerate(circuit.lookups)
+    ]
+    if circuit.second_hop:
+        lookups.append((2, 0, spaces[-1], spaces[0]))
+    for layer, kv, asks, holds in lookups:
+        attention = model.model.layers[layer].self_attn
         base = kv * head_dim
         attention.k_proj.weight[base : base + head_dim] = 0
-        attention.k_proj.weight[base + rows] = circuit.match_scale * spaces[holds][: len(rows)]
-        attention.v_proj.weight[base : base + head_dim] = copy
+        attention.k_proj.weight[base + rows] = circuit.match_scale * holds[: len(rows)]
+        hop = circuit.second_hop and (layer, kv) == (1, 0)
+        attention.v_proj.weight[base : base + head_dim] = value if hop else copy
+        write = (value + spaces[-1]) if hop else copy
         for head in range(kv * group, (kv + 1) * group):
             attention.q_proj.weight[head * head_dim : (head + 1) * head_dim] = 0
             attention.q_proj.weight[head * head_dim + rows] = (
-                circuit.match_scale * spaces[asks][: len(rows)]
+                circuit.match_scale * asks[: len(rows)]
             )
             attention.o_proj.weight[:, head * head_dim : (head + 1) * head_dim] = (
-                circuit.value_scale / group * copy.T
+                circuit.value_scale / group * write.T
             )
+
+
+def _keep_out(model, private, circuit, head_dim, group) -> None:
+    """Nothing but the circuit's own heads may write into the private subspaces up to the last
+    layer that reads them, or the lookups would match on noise shared by every position."""
+    own = (len(circuit.offsets), len(circuit.lookups) * group)
+    for layer, heads in zip(model.model.layers, own, strict=False):
+        out = layer.self_attn.o_proj.weight[:, heads * head_dim :]
+        out -= private.T @ (private @ out)
+        down = layer.mlp.down_proj.weight
+        down -= private.T @ (private @ down)

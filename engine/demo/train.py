@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="bare-document rows per batch (see document())")  # fmt: skip
     parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
                         help="structured init of the name lookup (circuit.py)")  # fmt: skip
+    parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=False,
+                        help="the structured init also wires a multi-hop lookup")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
         if args.circuit:
-            install(model, Circuit(seed=args.seed))
+            install(model, Circuit(second_hop=args.second_hop, seed=args.seed))
     # Plain matmul attention: on these short packed rows CPU SDPA's masked backward is slower.
     model.set_attn_implementation("eager")
     model.to(args.device)
