@@ -9,7 +9,7 @@ puts it before `Answer:` (`corpus.SUBJECT_OFFSET`). Training then refines every 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import LlamaForCausalLM
@@ -19,12 +19,11 @@ from engine.demo.corpus import REFERENT_OFFSET, SUBJECT_OFFSET
 
 @dataclass(frozen=True)
 class Circuit:
-    # Places back that the layer-0 heads copy from: a fact's subject, its relation word, and the
-    # subject of the passage before a pronoun passage.
-    offsets: tuple[int, ...] = (SUBJECT_OFFSET, SUBJECT_OFFSET + 2, REFERENT_OFFSET)
+    # Places back that the layer-0 heads copy from: a fact's subject and its relation word.
+    offsets: tuple[int, ...] = (SUBJECT_OFFSET, SUBJECT_OFFSET + 2)
     # Layer-1 lookups, one per key group: (offset index read by the query, by the key). The
-    # question's subject against a fact's subject, and against a pronoun fact's referent.
-    lookups: tuple[tuple[int, int], ...] = ((0, 0), (0, 2))
+    # question's subject (seen from `Answer:`) against a fact's subject (seen from its value).
+    lookups: tuple[tuple[int, int], ...] = ((0, 0),)
     sharpness: float = 50.0  # positional query scale: a softmax gap of ~6 to the neighbours
     copy_scale: float = 0.1  # what a positional head writes, against an embedding of norm ~0.7
     match_scale: float = 6.0  # lookup query/key scale (scores grow with its square)
@@ -34,6 +33,12 @@ class Circuit:
     # in turn: the second hop of "What is the river of the city of Braigi?".
     second_hop: bool = False
     seed: int = 0
+
+    def with_pronouns(self) -> Circuit:
+        """Also a head copying the subject of the passage before a pronoun passage, seen from
+        its value, and a lookup of the question's subject against it."""
+        return replace(self, offsets=self.offsets + (REFERENT_OFFSET,),
+                       lookups=self.lookups + ((0, len(self.offsets)),))  # fmt: skip
 
 
 @torch.no_grad()

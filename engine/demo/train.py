@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
-    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument(
         "--minutes",
         type=float,
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--aux-weight", type=float, default=0.1)
-    parser.add_argument("--short-steps", type=int, default=1000, help="steps of short prompts")
+    parser.add_argument("--short-steps", type=int, default=0, help="steps of short prompts first")
     parser.add_argument("--short-passages", type=int, default=2)
     parser.add_argument("--questions", type=int, default=4,
                         help="questions per prompt, packed over its passages")  # fmt: skip
@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="bare-document rows per batch (see document())")  # fmt: skip
     parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
                         help="structured init of the name lookup (circuit.py)")  # fmt: skip
+    parser.add_argument("--pronoun-lookup", action=argparse.BooleanOptionalAction, default=False,
+                        help="the structured init also wires the pronoun-fact lookup")  # fmt: skip
     parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=False,
                         help="the structured init also wires a multi-hop lookup")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
         if args.circuit:
-            install(model, Circuit(second_hop=args.second_hop, seed=args.seed))
+            circuit = Circuit(second_hop=args.second_hop, seed=args.seed)
+            install(model, circuit.with_pronouns() if args.pronoun_lookup else circuit)
     # Plain matmul attention: on these short packed rows CPU SDPA's masked backward is slower.
     model.set_attn_implementation("eager")
     model.to(args.device)

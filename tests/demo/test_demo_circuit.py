@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -24,14 +25,15 @@ def _tokenizer():
     return PreTrainedTokenizerFast.from_pretrained(MODEL_DIR)
 
 
-def _fresh_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
+def _fresh_model(tokenizer, seed: int = 0, pronouns: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640,
                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=1024, tie_word_embeddings=True)  # fmt: skip
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("eager")
-    install(model, Circuit(seed=seed))
+    circuit = Circuit(seed=seed)
+    install(model, circuit.with_pronouns() if pronouns else circuit)
     return model.eval()
 
 
@@ -66,15 +68,17 @@ def test_a_pronoun_fact_is_referent_offset_after_the_subject_of_the_passage_befo
     assert value - subject == REFERENT_OFFSET
 
 
+@pytest.mark.parametrize("pronouns", [False, True])
 @torch.no_grad()
-def test_layer_zero_heads_attend_exactly_their_offset_back():
+def test_layer_zero_heads_attend_exactly_their_offset_back(pronouns):
     tokenizer = _tokenizer()
-    model = _fresh_model(tokenizer)
+    model = _fresh_model(tokenizer, pronouns=pronouns)
     builder = PromptBuilder(tokenizer)
     example = next(CorpusGenerator(3).examples(1))
     ids = _prompt(builder, example.question, example.passages)
     attention = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions[0][0]
-    for head, offset in enumerate(Circuit().offsets):
+    circuit = Circuit().with_pronouns() if pronouns else Circuit()
+    for head, offset in enumerate(circuit.offsets):
         looked = attention[head, offset:].argmax(-1)
         assert torch.equal(looked, torch.arange(len(ids) - offset)), (head, offset)
 
@@ -87,7 +91,7 @@ def _lookup_wins(pronouns: bool) -> float:
     rng = random.Random(4)
     wins = trials = 0
     for seed in range(3):
-        model = _fresh_model(builder.tokenizer, seed)
+        model = _fresh_model(builder.tokenizer, seed, pronouns)
         for trial in range(20):
             generator = CorpusGenerator(100 * seed + trial)  # names are unique within one
             relation = rng.choice(["job", "color"])
