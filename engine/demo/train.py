@@ -8,7 +8,8 @@ sees at training time exactly the token layout the engine gives it; each prompt'
 followed by --questions question branches that see the passages but not each other (packed with
 a block attention mask, exactly what each question's own prompt would compute). Loss: the
 answer tokens and the EOS after them, plus a weighted next-token loss on the prompt
-(--aux-weight). Training uses full-prefill prompts only, never blended or reused caches.
+(--aux-weight). The model starts from a structured initialisation of its name lookup
+(circuit.py). Training uses full-prefill prompts only, never blended or reused caches.
 """
 
 from __future__ import annotations
