@@ -29,9 +29,6 @@ class Circuit:
     match_scale: float = 6.0  # lookup query/key scale (scores grow with its square)
     value_scale: float = 4.0  # how strongly a lookup head writes the token it finds
     span: int = 200  # positions over which a lookup must not be rotated away by RoPE
-    # Layer 1's first lookup also writes what it found where layer 2 can look it up as a subject
-    # in turn: the second hop of "What is the river of the city of Braigi?".
-    second_hop: bool = False
     seed: int = 0
 
     def with_pronouns(self) -> Circuit:
@@ -43,7 +40,7 @@ class Circuit:
 
 @torch.no_grad()
 def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
-    """Overwrite the freshly initialised `model` in place (layers 0 and 1, the embeddings)."""
+    """Overwrite the freshly initialised `model` in place: layers 0 and 1 and the embeddings."""
     config = model.config
     heads, kv_heads, hidden = (config.num_attention_heads, config.num_key_value_heads,
                                config.hidden_size)  # fmt: skip
@@ -52,14 +49,14 @@ def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
     if (
         len(circuit.offsets) > heads
         or len(circuit.lookups) > kv_heads
-        or config.num_hidden_layers < 2 + circuit.second_hop
+        or config.num_hidden_layers < 2
     ):
         raise ValueError("the circuit needs a head per offset and a key group per lookup")
     generator = torch.Generator().manual_seed(circuit.seed)
     basis, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))
     constant = basis[:, 0]
-    # One private subspace per positional head (and one for the second hop).
-    count = len(circuit.offsets) + circuit.second_hop
+    # One private subspace per positional head.
+    count = len(circuit.offsets)
     spaces = [basis[:, 1 + i * head_dim : 1 + (i + 1) * head_dim].T for i in range(count)]
     private = torch.cat(spaces)
     # What heads read a token's identity through and write it back with: the token subspace
@@ -78,7 +75,7 @@ def install(model: LlamaForCausalLM, circuit: Circuit = Circuit()) -> None:
     level = (normed @ constant).mean()
 
     _positional_heads(model, circuit, spaces, constant / level, value, head_dim, group)
-    _lookup_heads(model, circuit, spaces, value, copy, head_dim, group)
+    _lookup_heads(model, circuit, spaces, copy, head_dim, group)
     _keep_out(model, private, circuit, head_dim, group)
 
 
@@ -109,38 +106,29 @@ def _positional_heads(model, circuit, spaces, reader, value, head_dim, group) ->
         attention.o_proj.weight[:, rows] = circuit.copy_scale * spaces[head].T
 
 
-def _lookup_heads(model, circuit, spaces, value, copy, head_dim, group) -> None:
+def _lookup_heads(model, circuit, spaces, copy, head_dim, group) -> None:
     """Key group g of layer 1 serves lookups[g]: its queries read one positional head's copy and
     its keys another's, so a position attends to the positions whose copied token is its own
     (the question's subject at `Answer:` against a fact's subject, or a pronoun fact's
-    referent), and writes the token found there. With `second_hop`, the first lookup also
-    writes it into the last private subspace, and key group 0 of layer 2 looks that token up
-    among the facts' subjects. Only RoPE pairs slow enough not to turn over within `span`
-    positions carry a match."""
+    referent), and writes the token found there. Only RoPE pairs slow enough not to turn over
+    within `span` positions carry a match."""
     half = head_dim // 2
     theta = _frequencies(model, head_dim)
     slow = [p for p in range(half) if theta[p] * circuit.span < 1.0]
     rows = torch.tensor(slow + [p + half for p in slow])
-    lookups = [
-        (1, kv, spaces[asks], spaces[holds]) for kv, (asks, holds) in enumerate(circuit.lookups)
-    ]
-    if circuit.second_hop:
-        lookups.append((2, 0, spaces[-1], spaces[0]))
-    for layer, kv, asks, holds in lookups:
-        attention = model.model.layers[layer].self_attn
+    attention = model.model.layers[1].self_attn
+    for kv, (asks, holds) in enumerate(circuit.lookups):
         base = kv * head_dim
         attention.k_proj.weight[base : base + head_dim] = 0
-        attention.k_proj.weight[base + rows] = circuit.match_scale * holds[: len(rows)]
-        hop = circuit.second_hop and (layer, kv) == (1, 0)
-        attention.v_proj.weight[base : base + head_dim] = value if hop else copy
-        write = (value + spaces[-1]) if hop else copy
+        attention.k_proj.weight[base + rows] = circuit.match_scale * spaces[holds][: len(rows)]
+        attention.v_proj.weight[base : base + head_dim] = copy
         for head in range(kv * group, (kv + 1) * group):
             attention.q_proj.weight[head * head_dim : (head + 1) * head_dim] = 0
             attention.q_proj.weight[head * head_dim + rows] = (
-                circuit.match_scale * asks[: len(rows)]
+                circuit.match_scale * spaces[asks][: len(rows)]
             )
             attention.o_proj.weight[:, head * head_dim : (head + 1) * head_dim] = (
-                circuit.value_scale / group * write.T
+                circuit.value_scale / group * copy.T
             )
 
 

@@ -266,8 +266,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="structured init of the name lookup (circuit.py)")  # fmt: skip
     parser.add_argument("--pronoun-lookup", action=argparse.BooleanOptionalAction, default=False,
                         help="the structured init also wires the pronoun-fact lookup")  # fmt: skip
-    parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=False,
-                        help="the structured init also wires a multi-hop lookup")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -283,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
         if args.circuit:
-            circuit = Circuit(second_hop=args.second_hop, seed=args.seed)
+            circuit = Circuit(seed=args.seed)
             install(model, circuit.with_pronouns() if args.pronoun_lookup else circuit)
     # Plain matmul attention: on these short packed rows CPU SDPA's masked backward is slower.
     model.set_attn_implementation("eager")
