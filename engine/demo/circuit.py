@@ -135,8 +135,8 @@ def _lookup_heads(model, circuit, spaces, copy, head_dim, group) -> None:
 def _keep_out(model, private, circuit, head_dim, group) -> None:
     """Nothing but the circuit's own heads may write into the private subspaces up to the last
     layer that reads them, or the lookups would match on noise shared by every position."""
-    own = (len(circuit.offsets), len(circuit.lookups) * group)
-    for layer, heads in zip(model.model.layers, own, strict=False):
+    own = (len(circuit.offsets), len(circuit.lookups) * group)  # heads of layers 0 and 1
+    for layer, heads in zip(model.model.layers[:2], own, strict=True):
         out = layer.self_attn.o_proj.weight[:, heads * head_dim :]
         out -= private.T @ (private @ out)
         down = layer.mlp.down_proj.weight

@@ -59,7 +59,7 @@ def test_templates_put_the_subject_as_far_before_a_value_as_before_the_answer():
 def test_a_pronoun_fact_is_referent_offset_after_the_subject_of_the_passage_before():
     builder = PromptBuilder(_tokenizer())
     encode = builder.tokenizer.encode
-    named, pronoun, question = PERSON_RELATIONS["color"]
+    _, pronoun, question = PERSON_RELATIONS["color"]
     layout = builder.build(question.format(s=NAMES[0]), [
         PERSON_RELATIONS["job"][0].format(s=NAMES[0], v="baker"), pronoun.format(v="grey"),
     ])  # fmt: skip
