@@ -47,6 +47,9 @@ SUBJECT_OFFSET = 4
 # A pronoun passage's value is this far after the subject of the passage before it: "... of
 # Braigi? It is Houstom.⏎⏎Their color? It is grey." (one-token values and relation words).
 REFERENT_OFFSET = 13
+# The relation a multi-hop question asks of the city is this far before `Answer:`'s ":" ("river
+# of the city of Braigi?\nAnswer:"); its first hop reads like a question about "city".
+HOP_RELATION_OFFSET = 9
 MULTI_QUESTIONS = {
     "river": "What is the river of the city of {s}?",
     "country": "What is the country of the city of {s}?",

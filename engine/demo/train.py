@@ -75,7 +75,7 @@ def model_config(vocab_size: int, tokenizer: PreTrainedTokenizerFast, args) -> L
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=1024,
-        rope_theta=10000.0,
+        rope_theta=args.rope_theta,
         initializer_range=0.02,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--rope-theta", type=float, default=1e6,
+                        help="RoPE base: the circuit's lookups need slow pairs")  # fmt: skip
     parser.add_argument("--aux-weight", type=float, default=0.1)
     parser.add_argument("--short-steps", type=int, default=0, help="steps of short prompts first")
     parser.add_argument("--short-passages", type=int, default=2)
@@ -264,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="bare-document rows per batch (see document())")  # fmt: skip
     parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
                         help="structured init of the name lookup (circuit.py)")  # fmt: skip
-    parser.add_argument("--pronoun-lookup", action=argparse.BooleanOptionalAction, default=False,
-                        help="the structured init also wires the pronoun-fact lookup")  # fmt: skip
+    parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=True,
+                        help="the structured init also wires the multi-hop lookup")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -281,8 +283,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(args.seed, args.vocab)
         model = LlamaForCausalLM(model_config(len(tokenizer), tokenizer, args))
         if args.circuit:
-            circuit = Circuit(seed=args.seed)
-            install(model, circuit.with_pronouns() if args.pronoun_lookup else circuit)
+            install(model, tokenizer, Circuit(second_hop=args.second_hop, seed=args.seed))
     # Plain matmul attention: on these short packed rows CPU SDPA's masked backward is slower.
     model.set_attn_implementation("eager")
     model.to(args.device)
