@@ -8,7 +8,7 @@ sees at training time exactly the token layout the engine gives it; each prompt'
 followed by --questions question branches that see the passages but not each other (packed with
 a block attention mask, exactly what each question's own prompt would compute). Loss: the
 answer tokens and the EOS after them, plus a weighted next-token loss on the prompt
-(--aux-weight). The model starts from a structured initialisation of its name lookup
+(--aux-weight). The model starts from a structured initialisation of its fact lookups
 (circuit.py). Training uses full-prefill prompts only, never blended or reused caches.
 """
 
@@ -35,7 +35,7 @@ log = logging.getLogger("engine.demo.train")
 
 # Validation uses its own seed; bench/quality.py's held-out seed is different again.
 VALIDATION_SEED = 999
-# Kind weights: the context and multi-hop questions are the hard ones.
+# Kind weights (single, multi, context): the context and multi-hop questions are the hard ones.
 TRAIN_WEIGHTS = (1.0, 1.2, 1.4)
 
 
@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--rope-theta", type=float, default=1e6,
                         help="RoPE base: the circuit's lookups need slow pairs")  # fmt: skip
+    parser.add_argument("--kind-weights", type=float, nargs=3, default=TRAIN_WEIGHTS,
+                        metavar=("SINGLE", "MULTI", "CONTEXT"),
+                        help="how often each kind of question is drawn")  # fmt: skip
     parser.add_argument("--aux-weight", type=float, default=0.1)
     parser.add_argument("--short-steps", type=int, default=0, help="steps of short prompts first")
     parser.add_argument("--short-passages", type=int, default=2)
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--documents", type=int, default=0,
                         help="bare-document rows per batch (see document())")  # fmt: skip
     parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
-                        help="structured init of the name lookup (circuit.py)")  # fmt: skip
+                        help="structured init of the fact lookups (circuit.py)")  # fmt: skip
     parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=True,
                         help="the structured init also wires the multi-hop lookup")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=500)
@@ -314,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                 group["lr"] = learning_rate(progress, step, group["peak"], args.warmup)
         # Curriculum: 1 to --short-passages passages for the first --short-steps steps.
         source = short_generator if step < args.short_steps else generator
-        examples = list(source.examples(args.batch, TRAIN_WEIGHTS))
+        examples = list(source.examples(args.batch, tuple(args.kind_weights)))
         rows = [encode(builder, e, args.questions - 1, data_rng) for e in examples]
         rows += [document(builder, e) for e in source.examples(args.documents)]
         batch = collate(rows, tokenizer.pad_token_id)
