@@ -25,8 +25,8 @@ from engine.demo.corpus import (
 )
 from engine.prompt import PromptBuilder
 
-# Copies made by layer 0, with how far back each looks. "mark" is the token just before: " is"
-# precedes every fact's value and nothing the lookups must ignore.
+# Copies made by layer 0, with how far back each looks. "mark" keeps only whether the token just
+# before is " is", which precedes every fact's value (and, in a question, "the").
 OFFSETS = {"subject": SUBJECT_OFFSET, "relation": SUBJECT_OFFSET + 2, "referent": REFERENT_OFFSET,
            "hop": HOP_RELATION_OFFSET, "mark": 1}  # fmt: skip
 SPACES = ("subject", "relation", "referent", "hop", "found")
