@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1.5e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="muon")
-    parser.add_argument("--muon-lr", type=float, default=0.02)
+    parser.add_argument("--muon-lr", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"))
     parser.add_argument("--vocab", type=int, default=1536)
