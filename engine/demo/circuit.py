@@ -85,13 +85,14 @@ def install(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
     _positional_heads(model, circuit, layout)
     _keep_out(model, layout, 0, len(OFFSETS))
     stats = _calibrate(model, tokenizer, layout, layer=1)
-    _lookup(model, circuit, layout, stats, 1, ask="subject", ask_relation="relation")
+    _lookup(model, circuit, layout, stats, 1, ask="subject", ask_relation="relation",
+            hand_over=circuit.second_hop)  # fmt: skip
     _keep_out(model, layout, 1, _group(model))
     if circuit.second_hop:
         stats = _calibrate(model, tokenizer, layout, layer=2)
         # Layer 1 hands its find over at found_scale where a copy has copy_scale.
-        stats["ask"] = circuit.copy_scale / circuit.found_scale
-        _lookup(model, circuit, layout, stats, 2, ask="found", ask_relation="hop")
+        _lookup(model, circuit, layout, stats, 2, ask="found", ask_relation="hop",
+                ask_scale=circuit.copy_scale / circuit.found_scale)  # fmt: skip
         _keep_out(model, layout, 2, 0)
 
 
@@ -258,16 +259,24 @@ def _calibrate(model, tokenizer, layout: _Layout, layer: int) -> dict[str, float
         "relation": (x @ relation.T).pow(2).sum(-1)[related].mean().item(),
         "mark": (x @ layout.mark)[back(1) == is_id].pow(2).mean().item(),
         "constant": (x @ layout.constant).mean().item(),
-        "ask": 1.0,
     }
 
 
-def _lookup(model, circuit: Circuit, layout: _Layout, stats, layer: int, ask: str,
-            ask_relation: str) -> None:  # fmt: skip
-    """Key group 0 of `layer`: its queries read the `ask` copy (a name) and the `ask_relation`
-    copy, its keys every fact's subject, referent, relation and mark (the score in Circuit's
-    units), and it writes the token found into the token subspace (and, from layer 1, into
-    `found` for layer 2)."""
+def _lookup(
+    model,
+    circuit: Circuit,
+    layout: _Layout,
+    stats,
+    layer: int,
+    ask: str,
+    ask_relation: str,
+    ask_scale: float = 1.0,
+    hand_over: bool = False,
+) -> None:
+    """Key group 0 of `layer`: its queries read the `ask` copy (a name, written ask_scale times
+    weaker than a layer-0 copy) and the `ask_relation` copy, its keys every fact's subject,
+    referent, relation and mark (the score in Circuit's units), and it writes the token found
+    into the token subspace (and, with `hand_over`, into `found` for the next lookup)."""
     attention = model.model.layers[layer].self_attn
     head_dim, group = _head_dim(model), _group(model)
     scale = circuit.match_scale**0.5
@@ -284,11 +293,11 @@ def _lookup(model, circuit: Circuit, layout: _Layout, stats, layer: int, ask: st
     )
     key[layout.mark_row] = scale * circuit.mark / stats["mark"] ** 0.5 * layout.mark
     query = torch.zeros(head_dim, model.config.hidden_size)
-    query[s_rows] = scale / s_norm * stats["ask"] * spaces[ask][s_coords]
+    query[s_rows] = scale / s_norm * ask_scale * spaces[ask][s_coords]
     query[r_rows] = scale / r_norm * spaces[ask_relation][r_coords]
     query[layout.mark_row] = scale / stats["constant"] * layout.constant
     write = circuit.value_scale / group * layout.value.T
-    if layer == 1 and circuit.second_hop:
+    if hand_over:
         write = write + circuit.found_scale / group * spaces["found"].T
     attention.k_proj.weight[:head_dim] = key
     attention.v_proj.weight[:head_dim] = layout.value
