@@ -50,19 +50,25 @@ def run_prefill(
     plan: PrefillPlan,
     prefix_kv: PrefixKV | None = None,
     stream: LayerStream | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PrefillOutput:
     """Execute `plan` and return the KV cache of the whole prompt plus the last logits.
 
     `prefix_kv` is required when `plan.prefix_cached`; `stream` must deliver, per layer, the
-    KV of `plan.streamed_chunks` in that order.
+    KV of `plan.streamed_chunks` in that order. `out` (keys, values) [L, H_kv, T, D] receives
+    the prompt's KV (a KV-pool slot); without it the KV is allocated.
     """
     assert plan.prefix_cached == (prefix_kv is not None)
     device, shape = runner.device, runner.shape
     num_tokens, num_layers = plan.num_tokens, shape.num_layers
     cos, sin = runner.rope_tables(num_tokens)
     cache_shape = (num_layers, shape.num_kv_heads, num_tokens, shape.head_dim)
-    keys = torch.empty(cache_shape, dtype=runner.dtype, device=device)
-    values = torch.empty(cache_shape, dtype=runner.dtype, device=device)
+    if out is None:
+        keys = torch.empty(cache_shape, dtype=runner.dtype, device=device)
+        values = torch.empty(cache_shape, dtype=runner.dtype, device=device)
+    else:
+        keys, values = out
+        assert keys.shape == values.shape == cache_shape, (keys.shape, cache_shape)
     pre_rope = torch.empty_like(keys) if plan.keep_pre_rope_keys else None
 
     streamed_spans = [plan.chunk_spans[j] for j in plan.streamed_chunks]

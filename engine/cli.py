@@ -20,7 +20,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--memory-budget-gb", type=float)
     parser.add_argument("--ssd-budget-gb", type=float)
     parser.add_argument("--lookahead", type=int, help="layers the KV loader runs ahead")
-    parser.add_argument("--queue-depth", type=int, help="generations that may wait (then 429)")
+    parser.add_argument("--queue-depth", type=int, help="requests that may wait (then 429)")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences decoded together")
+    parser.add_argument("--max-model-len", type=int, help="positions per sequence")
+    parser.add_argument("--kv-pool-gb", type=float, help="KV pool size in GiB")
+    parser.add_argument("--max-prefill-tokens", type=int, help="prompt tokens per prefill step")
     parser.add_argument("--recompute-ratio", type=float, help="fixed ratio (default: controller)")
     parser.add_argument("--min-recompute-ratio", type=float)
     parser.add_argument(

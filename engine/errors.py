@@ -15,3 +15,7 @@ class PromptTooLongError(ValueError):
 
 class GenerationCancelled(Exception):
     """The consumer of a generation went away; the worker stops at the next token."""
+
+
+class QueueFullError(RuntimeError):
+    """The wait queue and the KV pool are both full; retry later."""

@@ -160,4 +160,8 @@ class LayerRunner:
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] (float32) of one hidden state [d]."""
-        return self.model.lm_head(self.decoder.norm(h_last[None]))[0].float()
+        return self.logits_batch(h_last[None])[0]
+
+    def logits_batch(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] (float32) of hidden states [n, d]."""
+        return self.model.lm_head(self.decoder.norm(h)).float()

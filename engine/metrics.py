@@ -6,7 +6,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.types import GenerateResult, Mode
-from engine.worker import Priority
 
 # vLLM's time-to-first-token buckets.
 TTFT_BUCKETS = (
@@ -140,9 +139,9 @@ class _LiveState:
     def collect(self):
         worker = self.engine.worker
         running = GaugeMetricFamily("ragblend_engine_requests_running", "Generations running")
-        running.add_metric([], 1.0 if worker.running is Priority.GENERATE else 0.0)
+        running.add_metric([], self.engine.num_running)
         waiting = GaugeMetricFamily("ragblend_engine_requests_waiting", "Generations waiting")
-        waiting.add_metric([], worker.waiting_generations)
+        waiting.add_metric([], self.engine.num_waiting)
         background = GaugeMetricFamily(
             "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
         )

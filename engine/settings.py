@@ -23,7 +23,23 @@ class EngineSettings(BaseSettings):
     memory_budget_gb: float = Field(2.0, ge=0)
     ssd_budget_gb: float = Field(20.0, ge=0)
     lookahead: int = Field(2, ge=0)
-    queue_depth: int = Field(16, ge=1, description="generations that may wait; beyond: 429")
+    queue_depth: int = Field(
+        16, ge=0, description="requests that may wait beyond the free KV slots; then 429"
+    )
+    max_num_seqs: int = Field(16, ge=1, description="sequences decoded together in one batch")
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="positions per sequence (prompt + max_tokens); default: the model's, at most 8192",
+    )
+    kv_pool_gb: float | None = Field(
+        None,
+        gt=0,
+        description="KV pool size; default: half the free GPU memory or a quarter of the free RAM",
+    )
+    max_prefill_tokens: int = Field(
+        8192, ge=1, description="prompt tokens admitted per prefill step (decodes run between)"
+    )
     recompute_ratio: float | None = Field(None, ge=0, le=1, description="None: the controller")
     min_recompute_ratio: float = Field(0.15, ge=0, le=1)
     check_layers: list[int] = [1]

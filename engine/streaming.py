@@ -1,50 +1,44 @@
-"""Bridges one generation on the worker thread to an asyncio consumer, with cancellation."""
+"""Bridges one sequence on the engine thread to an asyncio consumer, with cancellation."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
+from engine.sequence import Event
 from engine.types import GenerateResult, TokenDelta
-from engine.worker import Priority, Worker
-
-Event = TokenDelta | GenerateResult
 
 
 class Generation:
-    """Events of one generation, queued to the worker at creation (QueueFullError when full).
+    """Events of one generation: TokenDeltas, then the GenerateResult (or an exception).
 
-    Iterate it from the event loop that created it; `cancel()` (or leaving the loop early)
-    stops the worker at the next token.
+    Create and iterate it on one event loop; `deliver` may be called from any thread.
+    `cancel()` (or leaving the loop early) frees the sequence's KV slot at the next step.
     """
 
-    def __init__(self, worker: Worker, events: Callable[[Callable[[], bool]], Iterator[Event]]):
+    def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._cancelled = threading.Event()
-        self._produce = events
-        self.future = worker.submit(self._work, Priority.GENERATE)
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._on_cancel: Callable[[], None] = lambda: None
+        self._cancelled = False
+
+    def bind(self, on_cancel: Callable[[], None]) -> None:
+        self._on_cancel = on_cancel
+
+    def deliver(self, event: Event) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     def cancel(self) -> None:
-        self._cancelled.set()
+        if not self._cancelled:
+            self._cancelled = True
+            self._on_cancel()
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        return self._cancelled
 
-    def _deliver(self, item) -> None:
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    def _work(self) -> None:
-        try:
-            for event in self._produce(self._cancelled.is_set):
-                self._deliver(event)
-        except BaseException as exc:  # raised again on the consumer's side
-            self._deliver(exc)
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
+    async def __aiter__(self) -> AsyncIterator[TokenDelta | GenerateResult]:
         try:
             while True:
                 item = await self._queue.get()

@@ -83,7 +83,8 @@ class Usage:
 
 @dataclass
 class Timings:
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # from arrival, queueing included
+    queue_s: float = 0.0  # from arrival until the prefill started
     prefill_s: float = 0.0
     kv_load_s: float = 0.0
     kv_wait_s: float = 0.0

@@ -1,93 +1,117 @@
-"""The engine's single model thread: generations first, background work (precompute, KV
-write-back) between them, one chunk at a time, and a bounded wait line."""
+"""The engine's one model thread: engine steps while sequences wait or run, and background
+work (precompute, KV write-back) between steps when idle, or once it has waited too long."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import functools
-import itertools
 import logging
-import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from enum import IntEnum
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-
-class Priority(IntEnum):
-    GENERATE = 0
-    BACKGROUND = 1
-
-
-class QueueFullError(RuntimeError):
-    """More generations wait than the configured depth; retry later."""
+# A background task that has waited this long runs between two steps even under load.
+BACKGROUND_MAX_WAIT_S = 2.0
 
 
 class Worker:
-    """Runs submitted callables on one thread, lowest priority value first, FIFO within one."""
+    """Calls `step()` while `has_work()`; runs submitted background callables FIFO in between.
 
-    def __init__(self, max_waiting: int = 64, name: str = "ragblend-engine"):
-        self.max_waiting = max_waiting
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()
-        self._lock = threading.Lock()
-        self._waiting = {Priority.GENERATE: 0, Priority.BACKGROUND: 0}
-        self._running: Priority | None = None
+    `step` and `has_work` run on the worker thread only; `wake()` tells it that new work came.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], None],
+        has_work: Callable[[], bool],
+        name: str = "ragblend-engine",
+    ):
+        self._step = step
+        self._has_work = has_work
+        self._background: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self.running_background = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     @property
-    def waiting_generations(self) -> int:
-        return self._waiting[Priority.GENERATE]
-
-    @property
     def waiting_background(self) -> int:
-        return self._waiting[Priority.BACKGROUND]
+        return len(self._background)
 
-    @property
-    def running(self) -> Priority | None:
-        return self._running
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
 
-    def submit(self, fn: Callable[[], Any], priority: Priority = Priority.GENERATE) -> Future:
-        """Queue `fn`; raises QueueFullError when `max_waiting` generations already wait."""
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Queue `fn` as background work; its Future gets the result or the exception."""
         future: Future = Future()
-        with self._lock:
-            if priority is Priority.GENERATE and self._waiting[priority] >= self.max_waiting:
-                raise QueueFullError(f"{self._waiting[priority]} generations are already waiting")
-            self._waiting[priority] += 1
         # The worker runs `fn` in the caller's context: its log lines keep the request id.
-        context = contextvars.copy_context()
-        self._queue.put((priority, next(self._order), functools.partial(context.run, fn), future))
+        run = functools.partial(contextvars.copy_context().run, fn)
+
+        def task() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(run())
+                except BaseException as exc:  # handed to whoever waits on the future
+                    future.set_exception(exc)
+
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the engine is closed")
+            self._background.append((time.monotonic(), task))
+            self._cond.notify()
         return future
 
-    async def run(self, fn: Callable[[], Any], priority: Priority = Priority.GENERATE) -> Any:
-        return await asyncio.wrap_future(self.submit(fn, priority))
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.submit(fn))
 
     def drain(self) -> None:
-        """Block until everything queued so far has run."""
-        self.submit(lambda: None, Priority.BACKGROUND).result()
+        """Block until the background work queued so far has run."""
+        self.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._queue.put((Priority.BACKGROUND + 1, next(self._order), None, None))
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
         self._thread.join()
+
+    def _next_background(self, busy: bool) -> Callable[[], None] | None:
+        with self._cond:
+            if not self._background:
+                return None
+            queued_at, task = self._background[0]
+            if busy and time.monotonic() - queued_at < BACKGROUND_MAX_WAIT_S:
+                return None
+            self._background.popleft()
+            return task
 
     def _loop(self) -> None:
         while True:
-            priority, _, fn, future = self._queue.get()
-            if fn is None:
-                return
-            with self._lock:
-                self._waiting[priority] -= 1
-            if not future.set_running_or_notify_cancel():
+            busy = self._has_work()
+            if busy:
+                try:
+                    self._step()
+                except Exception:  # a step reports its own failures to its sequences
+                    log.exception("engine step failed")
+            task = self._next_background(busy)
+            if task is not None:
+                self.running_background = True
+                try:
+                    task()
+                finally:
+                    self.running_background = False
                 continue
-            self._running = priority
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-            finally:
-                self._running = None
+            if busy:
+                continue
+            with self._cond:
+                if self._closing and not self._background:
+                    return
+                if not self._background and not self._has_work():
+                    self._cond.wait(timeout=1.0)

@@ -126,12 +126,13 @@ class KVStore:
 
     def open_stream(
         self,
-        keys: Sequence[str],
+        keys: Sequence[str | None],
         device: torch.device | str = "cpu",
         read_delay_s: float = 0.0,
         lookahead: int | None = None,
     ) -> KVLayerStream:
-        """A LayerStream over `keys`; a key in no tier (or bad on SSD) is simply not present.
+        """A LayerStream over `keys`; a key in no tier (or bad on SSD), or None, is simply not
+        present.
 
         Every SSD entry the stream reads completely is promoted to memory in the background
         (`flush()` waits for it): its read buffer becomes the memory-tier entry without a second
@@ -141,8 +142,10 @@ class KVStore:
         """
         sources: list[LayerSource | None] = []
         for key in keys:
-            kv = self.memory.get(key)
-            if kv is not None:
+            kv = self.memory.get(key) if key is not None else None
+            if key is None:
+                sources.append(None)
+            elif kv is not None:
                 sources.append(MemorySource(key, kv))
             elif self.ssd is not None:
                 sources.append(self.ssd.open_entry(key))

@@ -41,6 +41,10 @@ def build_engine(settings: EngineSettings) -> Engine:
         min_recompute_ratio=settings.min_recompute_ratio,
         system_prompt=settings.system_prompt,
         max_waiting=settings.queue_depth,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=settings.max_model_len,
+        kv_pool_bytes=None if settings.kv_pool_gb is None else int(settings.kv_pool_gb * GIB),
+        max_prefill_tokens=settings.max_prefill_tokens,
     )
 
 

@@ -80,6 +80,7 @@ class LayerOut(BaseModel):
 
 class TimingsOut(BaseModel):
     ttft_s: float
+    queue_s: float
     prefill_s: float
     kv_load_s: float
     kv_wait_s: float

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.decode import cache_keyword
 from engine.plan import ChunkSource
 from engine.prompt import PromptLayout
 from engine.synthetic import FAMILIES
 from engine.types import GenerateRequest, Mode
 
 RTOL, ATOL = 1e-4, 1e-5
+
+
+def cache_keyword(model) -> str:
+    """Newer transformers name the forward argument `cache`, older ones `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def hf_forward(engine, token_ids, cache: DynamicCache | None = None):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from engine.detokenize import IncrementalText
-from engine.errors import GenerationCancelled
 from engine.sampling import Sampler
 from engine.synthetic import FAMILIES
 from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
@@ -127,13 +127,23 @@ def test_async_stream_yields_deltas_that_add_up_to_the_result(engine_for, make_c
     assert result.text == expected.text
 
 
-def test_cancelled_generation_stops_between_tokens(engine_for, make_chunks):
+def test_cancelling_a_generation_stops_it_and_frees_its_kv_slot(engine_for, make_chunks):
     engine = engine_for("llama")
-    produced = []
-    events = engine.iter_generate(
-        request(make_chunks(1, seed=10), max_tokens=50), cancelled=lambda: len(produced) >= 2
-    )
-    with pytest.raises(GenerationCancelled):
-        for event in events:
+    long = request(make_chunks(1, seed=10), max_tokens=50, ignore_eos=True)
+
+    async def two_deltas_then_cancel():
+        generation = engine.start(long)
+        produced = []
+        async for event in generation:
             produced.append(event)
-    assert len(produced) == 2
+            if len(produced) == 2:
+                generation.cancel()
+                break
+        return produced
+
+    produced = asyncio.run(two_deltas_then_cancel())
+    assert len(produced) == 2 and all(isinstance(e, TokenDelta) for e in produced)
+    deadline = time.monotonic() + 10
+    while engine.scheduler.slots.num_used and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.scheduler.slots.num_used == 0 and not engine.scheduler.running

@@ -167,7 +167,7 @@ def test_the_controller_falls_back_to_full_prefill_when_loads_are_slower_than_co
     assert first.load_bytes_by_tier["ssd"] > 0
 
     second = engine.prefill(controlled)
-    assert second.decision.full_prefill
+    assert second.blend.fell_back_to_full_prefill
     assert second.load_bytes_by_tier == {}  # nothing was waited for
     full = engine.prefill(GenerateRequest(**{**vars(controlled), "mode": Mode.FULL_PREFILL}))
     torch.testing.assert_close(second.output.logits, full.output.logits, rtol=1e-4, atol=1e-5)

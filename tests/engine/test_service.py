@@ -39,7 +39,16 @@ def service(checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine-service")
     proc = start_service(
         "engine",
-        ["--model", checkpoint, "--store-path", str(tmp / "kv"), "--queue-depth", "1"],
+        [
+            "--model",
+            checkpoint,
+            "--store-path",
+            str(tmp / "kv"),
+            "--queue-depth",
+            "1",
+            "--max-num-seqs",
+            "1",
+        ],
         tmp / "engine.log",
     )
     yield proc

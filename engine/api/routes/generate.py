@@ -12,10 +12,9 @@ from fastapi.responses import StreamingResponse
 
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep
 from engine.api.schemas import GenerateBody, GenerateResponse
-from engine.errors import GenerationCancelled
+from engine.errors import GenerationCancelled, QueueFullError
 from engine.streaming import Generation
 from engine.types import GenerateResult, Mode
-from engine.worker import QueueFullError
 
 router = APIRouter()
 log = logging.getLogger(__name__)

@@ -19,7 +19,8 @@ async def health(engine: EngineDep) -> dict:
         "fingerprint": engine.fingerprint,
         "device": str(engine.device),
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-        "requests_waiting": engine.worker.waiting_generations,
+        "requests_running": engine.num_running,
+        "requests_waiting": engine.num_waiting,
         "store": {
             "memory": {"entries": stats.memory.entries, "bytes": stats.memory.bytes},
             "ssd": None

@@ -1,0 +1,290 @@
+"""One prompt's prefill: open the chunk KV streams, plan from what the store really has,
+choose the recompute ratio (in one place), and run the blend layer loop into a KV buffer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.blend import PrefillOutput, PrefixKV, run_prefill
+from engine.controller import Controller
+from engine.layers import LayerRunner
+from engine.plan import ChunkSource, PrefillPlan, plan_prefill
+from engine.prefix_cache import PrefixCache
+from engine.prompt import PromptLayout
+from engine.timeline import overlap_fraction, total
+from engine.types import DEFAULT_RECOMPUTE_RATIO, Blend, LayerTimes, Mode, Usage
+from kvstore.errors import KVStreamError
+from kvstore.loader import KVLayerStream
+from kvstore.store import KVStore
+from kvstore.types import ChunkKV, chunk_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefill:
+    """A prompt's prefill: what was planned, what it produced, and which chunks had no KV."""
+
+    layout: PromptLayout
+    plan: PrefillPlan
+    output: PrefillOutput
+    blend: Blend
+    missing_chunks: list[tuple[int, ...]]
+    timeline: list[LayerTimes]
+    load_bytes_by_tier: dict[str, int]
+    chunk_tiers: list[str | None]
+    prefill_s: float = 0.0
+
+    @property
+    def usage(self) -> Usage:
+        plan, selected = self.plan, self.output.num_selected
+        blend_tokens = plan.count_tokens(ChunkSource.BLEND)
+        return Usage(
+            prompt_tokens=plan.num_tokens,
+            cached_tokens=(plan.prefix_len if plan.prefix_cached else 0)
+            + plan.count_tokens(ChunkSource.EXACT)
+            + blend_tokens
+            - selected,
+            recomputed_tokens=plan.count_tokens(ChunkSource.COMPUTE) + selected,
+        )
+
+    @property
+    def kv_load_s(self) -> float:
+        return total(
+            (e.load_start_s, e.load_end_s)
+            for e in self.timeline
+            if e.load_start_s is not None and e.load_end_s is not None
+        )
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the KV load time hidden behind compute."""
+        loads = [
+            (e.load_start_s, e.load_end_s)
+            for e in self.timeline
+            if e.load_start_s is not None and e.load_end_s is not None
+        ]
+        return overlap_fraction(
+            loads, [(e.compute_start_s, e.compute_end_s) for e in self.timeline]
+        )
+
+
+@dataclass(frozen=True)
+class RatioChoice:
+    recompute_ratio: float
+    check_layers: tuple[int, ...]
+    chosen_by: str  # "request", "engine" or "controller"
+    full_prefill: bool = False  # the controller found blending slower than a full prefill
+
+
+class Prefiller:
+    """Builds prompt KV caches over one model and one KV store."""
+
+    def __init__(
+        self,
+        runner: LayerRunner,
+        store: KVStore,
+        fingerprint: str,
+        chunk_prefix: tuple[int, ...],
+        check_layers: tuple[int, ...],
+        controller: Controller,
+        recompute_ratio: float | None = None,
+        prefix_cache: PrefixCache | None = None,
+        kv_read_delay_s: float = 0.0,
+    ):
+        self.runner = runner
+        self.store = store
+        self.fingerprint = fingerprint
+        self.chunk_prefix = chunk_prefix
+        self.check_layers = check_layers
+        self.controller = controller
+        self.recompute_ratio = recompute_ratio
+        self.prefix_cache = prefix_cache or PrefixCache(0)
+        self.kv_read_delay_s = kv_read_delay_s
+
+    def chunk_key(self, tokens: tuple[int, ...]) -> str:
+        return chunk_key(self.fingerprint, tokens)
+
+    def compute_chunk_kv(self, tokens: tuple[int, ...]) -> ChunkKV:
+        """The chunk run alone behind the chunk prefix (BOS); that entry dropped, keys pre-RoPE."""
+        boundary = self.chunk_prefix
+        plan = PrefillPlan(
+            token_ids=boundary + tuple(tokens),
+            prefix_len=len(boundary),
+            prefix_cached=False,
+            chunk_spans=((len(boundary), len(tokens)),),
+            chunk_sources=(ChunkSource.COMPUTE,),
+            recompute_ratio=1.0,
+            check_layers=(),
+            keep_pre_rope_keys=True,
+        )
+        out = run_prefill(self.runner, plan)
+        assert out.pre_rope_keys is not None
+        start = len(boundary)
+        return ChunkKV(
+            keys=out.pre_rope_keys[:, :, start:].to("cpu").contiguous(),
+            values=out.values[:, :, start:].to("cpu").contiguous(),
+        )
+
+    def prefill(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        recompute_ratio: float | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Prefill:
+        """Build the KV cache of a laid-out prompt, into `out` when given.
+
+        `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
+        engine has none. A missing chunk is computed in full; a chunk that turns out bad while
+        streaming is dropped and the prefill runs again without it, so a bad entry never fails
+        a request.
+        """
+        start = time.perf_counter()
+        keys = [self.chunk_key(tokens) for tokens in layout.chunks]
+        reuse = mode is not Mode.FULL_PREFILL
+        prefix_kv = self.prefix_cache.get(layout.prefix) if reuse else None
+        excluded: set[str] = set()
+        while True:
+            stream = self._open(layout, mode, keys, excluded)
+            present = stream.present if stream is not None else [False] * len(keys)
+            tiers = stream.tiers if stream is not None else [None] * len(keys)
+            try:
+                choice = self._choose(layout, mode, recompute_ratio, tiers, prefix_kv is not None)
+                # The controller's fallback is a true full prefill: with every position
+                # computed, the plain causal kernel beats any reuse.
+                plan = plan_prefill(
+                    layout,
+                    Mode.FULL_PREFILL if choice.full_prefill else mode,
+                    present,
+                    prefix_kv is not None,
+                    self.chunk_prefix,
+                    choice.recompute_ratio,
+                    choice.check_layers,
+                )
+                used = stream if plan.streamed_chunks else None
+                output = run_prefill(
+                    self.runner, plan, prefix_kv if plan.prefix_cached else None, used, out
+                )
+            except KVStreamError as exc:
+                log.warning("recomputing after a KV stream error: %s", exc)
+                excluded.add(exc.key)
+                continue
+            finally:
+                if stream is not None:
+                    stream.close()
+            break
+        if reuse and prefix_kv is None:
+            end = plan.prefix_len
+            self.prefix_cache.put(
+                layout.prefix,
+                PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
+            )
+        self._observe(output, used)
+        missing = [
+            layout.chunks[j] for j, found in enumerate(present) if reuse and not found
+        ] if mode is not Mode.PREFIX_CACHE else []
+        blend = Blend(
+            plan.recompute_ratio,
+            plan.check_layers[0] if plan.check_layers else 0,
+            choice.chosen_by,
+            choice.full_prefill,
+        )
+        return Prefill(
+            layout,
+            plan,
+            output,
+            blend,
+            missing,
+            self._timeline(output, used, start),
+            dict(used.stats.bytes_by_tier) if used is not None else {},
+            list(tiers),
+            time.perf_counter() - start,
+        )
+
+    def _open(
+        self, layout: PromptLayout, mode: Mode, keys: list[str], excluded: set[str]
+    ) -> KVLayerStream | None:
+        """Streams of every chunk the mode could reuse (a key in `excluded` counts as absent);
+        opened before planning, so the loader starts while the plan is made."""
+        if mode is Mode.FULL_PREFILL or not keys:
+            return None
+        if mode is Mode.PREFIX_CACHE:
+            # Only a first chunk right behind the chunk-precompute prefix can be an exact hit.
+            usable = [j == 0 and layout.prefix == self.chunk_prefix for j in range(len(keys))]
+        else:
+            usable = [True] * len(keys)
+        wanted = [k if ok and k not in excluded else None for k, ok in zip(keys, usable, strict=True)]
+        return self.store.open_stream(
+            wanted, device=self.runner.device, read_delay_s=self.kv_read_delay_s
+        )
+
+    def _choose(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        requested: float | None,
+        tiers: list[str | None],
+        prefix_cached: bool,
+    ) -> RatioChoice:
+        """The recompute ratio, the check layers and who chose them: the request, the engine's
+        setting, or (neither given, cacheblend, something cached) the controller."""
+        if requested is not None:
+            return RatioChoice(requested, self.check_layers, "request")
+        if self.recompute_ratio is not None:
+            return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
+        if mode is not Mode.CACHEBLEND or not any(tiers):
+            return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
+        shape = self.runner.shape
+        token_bytes = 2 * shape.num_kv_heads * shape.head_dim * self.runner.dtype.itemsize
+        layer_bytes: dict[str, int] = {}
+        for tokens, tier in zip(layout.chunks, tiers, strict=True):
+            if tier is not None:
+                layer_bytes[tier] = layer_bytes.get(tier, 0) + token_bytes * len(tokens)
+        computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
+        decision = self.controller.decide(computed, layer_bytes, shape.num_layers)
+        shift = decision.leading_layers - self.check_layers[0]
+        checks = tuple(c + shift for c in self.check_layers if c + shift < shape.num_layers)
+        return RatioChoice(
+            decision.recompute_ratio,
+            checks or (decision.leading_layers,),
+            "controller",
+            decision.full_prefill,
+        )
+
+    def _observe(self, output: PrefillOutput, stream: KVLayerStream | None) -> None:
+        """Feed the controller what this prefill measured: the loader's wall time per layer
+        (what the pipeline waits on, a mixed stream counted as its slowest tier) and the time
+        of the layers computed for every token."""
+        if stream is not None and stream.timings:
+            tier = "ssd" if "ssd" in stream.tiers else "memory"
+            self.controller.observe_load(
+                tier,
+                sum(t.bytes_loaded for t in stream.timings),
+                sum(t.load_end_s - t.load_start_s for t in stream.timings),
+            )
+        widest = max((c.num_tokens for c in output.layer_computes), default=0)
+        for c in output.layer_computes:
+            if c.num_tokens == widest:
+                self.controller.observe_compute(c.num_tokens, c.compute_end_s - c.compute_start_s)
+
+    @staticmethod
+    def _timeline(
+        output: PrefillOutput, stream: KVLayerStream | None, start: float
+    ) -> list[LayerTimes]:
+        """Seconds since the prefill started, per layer."""
+        loads = {t.layer: t for t in stream.timings} if stream is not None else {}
+        return [
+            LayerTimes(
+                c.layer,
+                loads[c.layer].load_start_s - start if c.layer in loads else None,
+                loads[c.layer].load_end_s - start if c.layer in loads else None,
+                c.compute_start_s - start,
+                c.compute_end_s - start,
+            )
+            for c in output.layer_computes
+        ]

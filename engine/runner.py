@@ -1,0 +1,82 @@
+"""The model runner: a KV pool allocated once, prefill into a sequence's slot, and one
+batched decode step for all running sequences.
+
+Pool: keys and values [L, S, H_kv, C, D] for S slots of C positions. A slot's view is the
+prefill's output buffer, and decode writes one position per sequence in place: no per-request
+allocation and no per-token copy of the context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers import LayerRunner
+
+
+class ModelRunner:
+    def __init__(self, layers: LayerRunner, num_slots: int, slot_tokens: int):
+        self.layers = layers
+        shape = layers.shape
+        self.num_slots = num_slots
+        self.slot_tokens = slot_tokens
+        pool_shape = (shape.num_layers, num_slots, shape.num_kv_heads, slot_tokens, shape.head_dim)
+        # Zeros, not empty: padded attention multiplies masked-out values by exactly 0, and
+        # 0 * NaN from uninitialised memory would poison the row.
+        self.keys = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
+        self.values = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
+        self.cos, self.sin = layers.rope_tables(slot_tokens)  # [C, D]
+        self.group = shape.num_heads // shape.num_kv_heads
+
+    @staticmethod
+    def pool_bytes(layers: LayerRunner, num_slots: int, slot_tokens: int) -> int:
+        shape = layers.shape
+        per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+        return per_token * layers.dtype.itemsize * num_slots * slot_tokens
+
+    def slot_kv(self, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [L, H_kv, num_tokens, D] of a slot: where a prefill writes the prompt's KV."""
+        return self.keys[:, slot, :, :num_tokens], self.values[:, slot, :, :num_tokens]
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
+        """Feed token_ids[b] at positions[b] of slot slots[b]; logits [B, vocab] (float32).
+
+        Slot b must hold the KV of positions 0..positions[b]-1; the new K/V are written at
+        positions[b]. Attention runs once per layer over the slots [0, high) padded to the
+        longest context, each row masked to its own positions (and sliding window).
+        """
+        runner, device = self.layers, self.layers.device
+        shape = runner.shape
+        batch = len(slots)
+        slot_idx = torch.tensor(slots, device=device)
+        pos = torch.tensor(positions, device=device)
+        high, num_keys = max(slots) + 1, max(positions) + 1
+        cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
+        key_pos = torch.arange(num_keys, device=device)
+        row_pos = torch.zeros(high, dtype=torch.long, device=device)  # idle slots see key 0
+        row_pos[slot_idx] = pos
+        h = runner.embed(torch.tensor(token_ids, device=device))  # [B, d]
+        for i in range(shape.num_layers):
+            q, k, v = runner.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
+            q = runner.rotate(q, cos, sin)
+            k = runner.rotate(k, cos, sin)
+            self.keys[i][slot_idx, :, pos] = k.transpose(0, 1)
+            self.values[i][slot_idx, :, pos] = v.transpose(0, 1)
+            visible = key_pos[None, :] <= row_pos[:, None]  # [high, T]
+            window = runner.windows[i]
+            if window is not None:
+                visible &= key_pos[None, :] > row_pos[:, None] - window
+            # One query per sequence: the G query heads of a KV group attend as G rows over the
+            # same keys, which needs no GQA support from the kernel.
+            q_rows = q.new_zeros(high, shape.num_kv_heads, self.group, shape.head_dim)
+            q_rows[slot_idx] = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
+            out = F.scaled_dot_product_attention(
+                q_rows,
+                self.keys[i][:high, :, :num_keys],  # [high, H_kv, T, D], a view of the pool
+                self.values[i][:high, :, :num_keys],
+                attn_mask=visible[:, None, None, :],
+                scale=runner.layers[i].self_attn.scaling,
+            )
+            h = runner.finish_layer(i, h, out[slot_idx].reshape(batch, -1))
+        return runner.logits_batch(h)
