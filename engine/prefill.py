@@ -185,9 +185,11 @@ class Prefiller:
                 PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
             )
         self._observe(output, used)
-        missing = [
-            layout.chunks[j] for j, found in enumerate(present) if reuse and not found
-        ] if mode is not Mode.PREFIX_CACHE else []
+        missing = (
+            [layout.chunks[j] for j, found in enumerate(present) if reuse and not found]
+            if mode is not Mode.PREFIX_CACHE
+            else []
+        )
         blend = Blend(
             plan.recompute_ratio,
             plan.check_layers[0] if plan.check_layers else 0,
@@ -218,7 +220,10 @@ class Prefiller:
             usable = [j == 0 and layout.prefix == self.chunk_prefix for j in range(len(keys))]
         else:
             usable = [True] * len(keys)
-        wanted = [k if ok and k not in excluded else None for k, ok in zip(keys, usable, strict=True)]
+        wanted = [
+            key if ok and key not in excluded else None
+            for key, ok in zip(keys, usable, strict=True)
+        ]
         return self.store.open_stream(
             wanted, device=self.runner.device, read_delay_s=self.kv_read_delay_s
         )

@@ -18,8 +18,10 @@ from engine.slots import SlotTable
 class Scheduler:
     def __init__(self, slots: SlotTable, max_waiting: int, max_prefill_tokens: int):
         if max_waiting < 0 or max_prefill_tokens < 1:
-            raise ValueError(f"need max_waiting >= 0 and max_prefill_tokens >= 1, got "
-                             f"{max_waiting} and {max_prefill_tokens}")
+            raise ValueError(
+                f"need max_waiting >= 0 and max_prefill_tokens >= 1, got "
+                f"{max_waiting} and {max_prefill_tokens}"
+            )
         self.slots = slots
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens

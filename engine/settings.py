@@ -30,7 +30,7 @@ class EngineSettings(BaseSettings):
     max_model_len: int | None = Field(
         None,
         ge=1,
-        description="positions per sequence (prompt + max_tokens); default: the model's, at most 8192",
+        description="positions per sequence (prompt + max_tokens); default: the model's, <= 8192",
     )
     kv_pool_gb: float | None = Field(
         None,

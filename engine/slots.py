@@ -13,7 +13,7 @@ import heapq
 class SlotTable:
     def __init__(self, num_slots: int, slot_tokens: int):
         if num_slots < 1 or slot_tokens < 1:
-            raise ValueError(f"need at least one slot of one token, got {num_slots} x {slot_tokens}")
+            raise ValueError(f"need at least one slot of one token, got {num_slots}x{slot_tokens}")
         self.num_slots = num_slots
         self.slot_tokens = slot_tokens
         self._free = list(range(num_slots))  # a heap: the lowest slot comes out first
