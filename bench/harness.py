@@ -69,13 +69,10 @@ def build_model(shape: str, device: str, dtype: str) -> LoadedModel:
     )
 
 
-def build_engine(
-    loaded: LoadedModel,
-    memory_budget_bytes: int = 64 * 1024**3,
-    ssd_path: str | None = None,
-    **options,
-) -> Engine:
-    store = KVStore(
+def build_store(
+    loaded: LoadedModel, memory_budget_bytes: int = 64 * 1024**3, ssd_path: str | None = None
+) -> KVStore:
+    return KVStore(
         KVStoreConfig(
             model_fingerprint=loaded.fingerprint,
             memory_budget_bytes=memory_budget_bytes,
@@ -83,7 +80,23 @@ def build_engine(
             pin_memory=loaded.device.type == "cuda",
         )
     )
-    return Engine(loaded, store, **options)
+
+
+def build_engine(
+    loaded: LoadedModel,
+    memory_budget_bytes: int = 64 * 1024**3,
+    ssd_path: str | None = None,
+    **options,
+) -> Engine:
+    return Engine(loaded, build_store(loaded, memory_budget_bytes, ssd_path), **options)
+
+
+def token_sampler(engine: Engine, seed: int = 0) -> Callable[[int], tuple[int, ...]]:
+    """`tokens(n)`: n random non-special token ids, reproducible from `seed`."""
+    rng = random.Random(seed)
+    special = set(engine.tokenizer.all_special_ids)
+    choices = [t for t in range(len(engine.tokenizer)) if t not in special]
+    return lambda n: tuple(rng.choice(choices) for _ in range(n))
 
 
 def random_layout(

@@ -76,6 +76,9 @@ def spawn_engine(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
             str(store),
             "--queue-depth",
             "1",
+            # One sequence at a time: the limit tests fill the pool and the queue with two.
+            "--max-num-seqs",
+            "1",
             # A fixed ratio: these tests pin the gateway, the controller has its own tests.
             "--recompute-ratio",
             "0.15",

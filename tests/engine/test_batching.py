@@ -1,0 +1,120 @@
+"""Batched decode from the KV pool: every sequence of a batch decodes what it decodes alone,
+with mixed prompt lengths and modes, and sequences joining and leaving between steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.synthetic import FAMILIES
+from engine.types import GenerateRequest, Mode
+
+# float32 on the CPU: a batched matmul may round differently from a batch of one.
+ATOL = 1e-4
+
+
+def request(chunks, **overrides) -> GenerateRequest:
+    values = {"question": "which tas does kalo hold?", "chunks": chunks, "max_tokens": 8}
+    return GenerateRequest(**{**values, **overrides})
+
+
+def prefill_into_slot(engine, slot: int, req: GenerateRequest) -> tuple[int, int]:
+    """Prefill `req` into `slot`; its first greedy token and the position it goes to."""
+    layout = engine.layout(req)
+    out = engine.runner.slot_kv(slot, layout.num_tokens)
+    prefill = engine.prefiller.prefill(layout, req.mode, req.recompute_ratio, out)
+    return int(prefill.output.logits.argmax()), layout.num_tokens
+
+
+def decode_alone(engine, slot: int, token: int, position: int, steps: int) -> list[torch.Tensor]:
+    logits = []
+    for _ in range(steps):
+        row = engine.runner.decode([slot], [position], [token])[0]
+        logits.append(row)
+        token, position = int(row.argmax()), position + 1
+    return logits
+
+
+def assert_same_step(batched: torch.Tensor, alone: torch.Tensor) -> None:
+    torch.testing.assert_close(batched, alone, rtol=0, atol=ATOL)
+    top2 = alone.topk(2).values
+    # The greedy token is only pinned where rounding cannot flip it.
+    assert top2[0] - top2[1] > 2 * ATOL, "pick a prompt with a clear greedy margin"
+    assert int(batched.argmax()) == int(alone.argmax())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_sequence_of_a_batch_decodes_what_it_decodes_alone(engine_for, make_chunks, family):
+    engine = engine_for(family)
+    long_chunks, short_chunks = make_chunks(5, words=40, seed=21), make_chunks(1, seed=22)
+    engine.precompute(long_chunks + short_chunks)
+    requests = [
+        request(long_chunks, recompute_ratio=0.3),  # cacheblend, ~300 positions
+        request(short_chunks, mode=Mode.FULL_PREFILL),
+        request(long_chunks[:2], mode=Mode.FULL_REUSE),
+        request(long_chunks[1:4], mode=Mode.PREFIX_CACHE),
+    ]
+    steps = 6
+    slots = [0, 1, 2, 3]
+    # Alone: each request prefilled and decoded by itself, as a batch of one.
+    alone = []
+    for slot, req in zip(slots, requests, strict=True):
+        token, position = prefill_into_slot(engine, slot, req)
+        alone.append(decode_alone(engine, slot, token, position, steps))
+
+    # Batched: 0 and 1 start, 2 joins after two steps, 3 after three, 1 leaves after four;
+    # their slots are refilled from scratch first.
+    joins = {0: [0, 1], 2: [2], 3: [3]}
+    leaves = {4: [1]}
+    state: dict[int, tuple[int, int]] = {}
+    done: dict[int, int] = {i: 0 for i in range(len(requests))}
+    step = 0
+    while any(done[i] < steps for i in state) or step in joins or not state:
+        for i in joins.get(step, []):
+            state[i] = prefill_into_slot(engine, slots[i], requests[i])
+        for i in leaves.get(step, []):
+            state.pop(i)
+        live = [i for i in state if done[i] < steps]
+        if not live:
+            break
+        logits = engine.runner.decode(
+            [slots[i] for i in live], [state[i][1] for i in live], [state[i][0] for i in live]
+        )
+        for i, row in zip(live, logits, strict=True):
+            assert_same_step(row, alone[i][done[i]])
+            state[i] = (int(row.argmax()), state[i][1] + 1)
+            done[i] += 1
+        step += 1
+    assert done[0] == done[2] == done[3] == steps and done[1] == 4
+
+
+def test_concurrent_requests_get_the_tokens_they_get_one_at_a_time(engine_for, make_chunks):
+    engine = engine_for("qwen2")
+    chunks = make_chunks(4, seed=23)
+    engine.precompute(chunks)
+    requests = [
+        request(chunks, recompute_ratio=0.5, max_tokens=10),
+        request(chunks[:2], mode=Mode.FULL_PREFILL, max_tokens=6),
+        request(chunks[1:], mode=Mode.FULL_REUSE, max_tokens=12),
+        request(chunks[2:], recompute_ratio=1.0, max_tokens=3),
+    ]
+    one_at_a_time = [engine.generate(r).token_ids for r in requests]
+
+    async def together():
+        async def run(req):
+            *_, result = [event async for event in engine.start(req)]
+            return result.token_ids
+
+        return await asyncio.gather(*(run(r) for r in requests))
+
+    assert asyncio.run(together()) == one_at_a_time
+
+
+def test_a_prompt_longer_than_a_slot_is_refused_before_queueing(engine_for):
+    engine = engine_for("llama")
+    too_long = request((), max_tokens=engine.max_model_len)
+    with pytest.raises(ValueError, match="maximum of"):
+        engine.generate(too_long)
+    assert not engine.scheduler.waiting and not engine.scheduler.running

@@ -1,0 +1,74 @@
+"""The engine's model thread: steps while there is work, background work between them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine import worker as worker_module
+from engine.worker import Worker
+
+
+class Steps:
+    """A fake step source: `pending` steps to run, each appending to a shared log."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+        self.pending = 0
+
+    def step(self) -> None:
+        self.pending -= 1
+        self.log.append("step")
+        time.sleep(0.005)
+
+
+def test_background_work_waits_for_steps_then_runs_when_idle():
+    log: list[str] = []
+    steps = Steps(log)
+    steps.pending = 5
+    worker = Worker(steps.step, lambda: steps.pending > 0)
+    worker.submit(lambda: log.append("background")).result(timeout=5)
+    worker.close()
+    assert log[-1] == "background" and log.count("step") == 5
+
+
+def test_background_work_that_waited_too_long_runs_between_steps(monkeypatch):
+    monkeypatch.setattr(worker_module, "BACKGROUND_MAX_WAIT_S", 0.02)
+    log: list[str] = []
+    steps = Steps(log)
+    steps.pending = 1000
+    worker = Worker(steps.step, lambda: steps.pending > 0)
+    worker.submit(lambda: log.append("background")).result(timeout=5)
+    assert steps.pending > 0  # it ran while steps were still due
+    steps.pending = 0
+    worker.close()
+
+
+def test_an_exception_reaches_the_caller_and_the_thread_goes_on():
+    worker = Worker(lambda: None, lambda: False)
+
+    def fail():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        worker.submit(fail).result(timeout=5)
+    assert worker.submit(lambda: 7).result(timeout=5) == 7
+    worker.close()
+
+
+def test_wake_starts_a_step_at_once():
+    started = threading.Event()
+    work = [False]
+
+    def step():
+        work[0] = False
+        started.set()
+
+    worker = Worker(step, lambda: work[0])
+    time.sleep(0.05)  # the worker is idle and waiting
+    work[0] = True
+    worker.wake()
+    assert started.wait(0.5)
+    worker.close()
