@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from engine.engine import StepRecord
 from engine.types import GenerateResult, Mode
 
 # vLLM's time-to-first-token buckets.
@@ -33,6 +34,10 @@ TTFT_BUCKETS = (
     2560.0,
 )
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
+# vLLM's time-per-output-token buckets.
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class EngineMetrics:
@@ -105,11 +110,56 @@ class EngineMetrics:
         )
         for kind in ("queue_full", "generation"):  # zero series, so dashboards show 0 errors
             self.errors.labels(kind)
+        self.queue_time = Histogram(
+            "ragblend_engine_request_queue_time_seconds",
+            "Time from arrival until the prefill started",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "ragblend_engine_time_per_output_token_seconds",
+            "Mean time between output tokens of a request, after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "ragblend_engine_batch_size",
+            "Sequences per engine step, by step kind (prefill or decode)",
+            ["step"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.step_tokens = Histogram(
+            "ragblend_engine_step_tokens",
+            "Tokens fed to the model per engine step, by step kind",
+            ["step"],
+            buckets=STEP_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "ragblend_engine_step_seconds",
+            "Duration of one engine step, by step kind",
+            ["step"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         r.register(_LiveState(engine))
+        engine.add_step_listener(self.observe_step)
+
+    def observe_step(self, step: StepRecord) -> None:
+        kind = "prefill" if step.is_prefill else "decode"
+        self.batch_size.labels(kind).observe(step.num_seqs)
+        self.step_tokens.labels(kind).observe(step.num_tokens)
+        self.step_seconds.labels(kind).observe(step.seconds)
 
     def observe(self, mode: Mode, result: GenerateResult) -> None:
         self.requests.labels(mode.value, result.finish_reason).inc()
         self.ttft.labels(mode.value).observe(result.timings.ttft_s)
+        self.queue_time.observe(result.timings.queue_s)
+        if result.usage.completion_tokens > 1:
+            self.time_per_output_token.observe(
+                result.timings.decode_s / (result.usage.completion_tokens - 1)
+            )
         usage = result.usage
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.generation_tokens.inc(usage.completion_tokens)
@@ -137,7 +187,7 @@ class _LiveState:
         self.engine = engine
 
     def collect(self):
-        worker = self.engine.worker
+        worker, engine = self.engine.worker, self.engine
         running = GaugeMetricFamily("ragblend_engine_requests_running", "Generations running")
         running.add_metric([], self.engine.num_running)
         waiting = GaugeMetricFamily("ragblend_engine_requests_waiting", "Generations waiting")
@@ -146,6 +196,15 @@ class _LiveState:
             "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
         )
         background.add_metric([], worker.waiting_background)
+        slots = engine.scheduler.slots
+        pool_usage = GaugeMetricFamily(
+            "ragblend_engine_kv_pool_usage_ratio", "Fraction of the KV pool's slots in use"
+        )
+        pool_usage.add_metric([], slots.num_used / slots.num_slots)
+        pool_slots = GaugeMetricFamily(
+            "ragblend_engine_kv_pool_slots", "KV pool slots (sequences that can run at once)"
+        )
+        pool_slots.add_metric([], slots.num_slots)
         stats = self.engine.store.stats()
         entries = GaugeMetricFamily(
             "ragblend_engine_store_entries", "KV entries by tier", labels=["tier"]
@@ -161,4 +220,4 @@ class _LiveState:
                 entries.add_metric([name], tier.entries)
                 size.add_metric([name], tier.bytes)
                 corrupt.add_metric([name], tier.corrupt)
-        yield from (running, waiting, background, entries, size, corrupt)
+        yield from (running, waiting, background, pool_usage, pool_slots, entries, size, corrupt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import httpx
@@ -243,3 +244,52 @@ def test_metrics_parse_and_count_traffic(service):
 
 def _has(client: httpx.Client, mode: str) -> bool:
     return f'mode="{mode}"' in client.get("/metrics").text
+
+
+@pytest.fixture(scope="module")
+def batching_service(checkpoint, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-batching")
+    proc = start_service(
+        "engine",
+        ["--model", checkpoint, "--store-path", str(tmp / "kv"), "--max-num-seqs", "4"],
+        tmp / "engine.log",
+    )
+    yield proc
+    assert proc.stop() in (0, -signal.SIGTERM), proc.log()[-3000:]
+
+
+def test_concurrent_streams_interleave_token_by_token(batching_service):
+    """Two streams started together both make progress before either ends, and the engine
+    reports decode steps that carried both."""
+    arrivals: list[tuple[float, int]] = []
+    lock = threading.Lock()
+    long = body(max_tokens=60, ignore_eos=True, stream=True)
+
+    def consume(index: int) -> None:
+        with batching_service.client() as client, client.stream(
+            "POST", "/v1/generate", json=long
+        ) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("event: delta"):
+                    with lock:
+                        arrivals.append((time.monotonic(), index))
+
+    with batching_service.client() as client:
+        client.post("/v1/generate", json=WARM).raise_for_status()
+    threads = [threading.Thread(target=consume, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    order = [index for _, index in sorted(arrivals)]
+    last = {i: max(k for k, x in enumerate(order) if x == i) for i in (0, 1)}
+    first = {i: order.index(i) for i in (0, 1)}
+    assert first[1] < last[0] and first[0] < last[1], "one stream finished before the other began"
+    switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
+    assert switches >= 10, f"the streams alternated only {switches} times: {order}"
+    with batching_service.client() as client:
+        decode_steps = metric_value(client, "ragblend_engine_batch_size_count", step="decode")
+        single = metric_value(client, "ragblend_engine_batch_size_bucket", step="decode", le="1.0")
+        assert decode_steps - single >= 10  # decode steps that carried both sequences
+        assert metric_value(client, "ragblend_engine_kv_pool_slots") == 4
