@@ -266,9 +266,10 @@ def test_concurrent_streams_interleave_token_by_token(batching_service):
     long = body(max_tokens=60, ignore_eos=True, stream=True)
 
     def consume(index: int) -> None:
-        with batching_service.client() as client, client.stream(
-            "POST", "/v1/generate", json=long
-        ) as reply:
+        with (
+            batching_service.client() as client,
+            client.stream("POST", "/v1/generate", json=long) as reply,
+        ):
             assert reply.status_code == 200
             for line in reply.iter_lines():
                 if line.startswith("event: delta"):
@@ -286,7 +287,7 @@ def test_concurrent_streams_interleave_token_by_token(batching_service):
     last = {i: max(k for k, x in enumerate(order) if x == i) for i in (0, 1)}
     first = {i: order.index(i) for i in (0, 1)}
     assert first[1] < last[0] and first[0] < last[1], "one stream finished before the other began"
-    switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
+    switches = sum(1 for a, b in zip(order, order[1:], strict=False) if a != b)
     assert switches >= 10, f"the streams alternated only {switches} times: {order}"
     with batching_service.client() as client:
         decode_steps = metric_value(client, "ragblend_engine_batch_size_count", step="decode")
