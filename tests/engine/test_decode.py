@@ -20,11 +20,16 @@ def request(chunks, **overrides) -> GenerateRequest:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_decoding_at_ratio_one_matches_model_generate(engine_for, make_chunks, family):
+@pytest.mark.parametrize(
+    "options", [{"mode": Mode.FULL_PREFILL}, {"recompute_ratio": 1.0}], ids=["full", "ratio1"]
+)
+def test_greedy_decoding_from_the_pool_matches_model_generate(
+    engine_for, make_chunks, family, options
+):
     engine = engine_for(family)
     chunks = make_chunks(3, seed=3)
     engine.precompute(chunks)
-    result = engine.generate(request(chunks, recompute_ratio=1.0))
+    result = engine.generate(request(chunks, **options))
     prompt = torch.tensor([engine.layout(request(chunks)).token_ids])
     with torch.inference_mode():
         reference = engine.model.generate(
