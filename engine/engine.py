@@ -53,6 +53,18 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+def available_ram_bytes() -> int:
+    """MemAvailable (free plus reclaimable cache), or the free pages where /proc is absent."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step, for metrics: prefill or decode, sequences, tokens fed, seconds."""
@@ -170,7 +182,7 @@ class Engine:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return free // 2
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        return available_ram_bytes() // 4
 
     @property
     def fingerprint(self) -> str:

@@ -53,9 +53,11 @@ class ModelRunner:
         pos = torch.tensor(positions, device=device)
         high, num_keys = max(slots) + 1, max(positions) + 1
         cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
-        key_pos = torch.arange(num_keys, device=device)
+        key_pos = torch.arange(num_keys, device=device)[None, :]
         row_pos = torch.zeros(high, dtype=torch.long, device=device)  # idle slots see key 0
         row_pos[slot_idx] = pos
+        causal = key_pos <= row_pos[:, None]  # [high, T]
+        masks: dict[int | None, torch.Tensor] = {None: causal[:, None, None, :]}
         h = runner.embed(torch.tensor(token_ids, device=device))  # [B, d]
         for i in range(shape.num_layers):
             q, k, v = runner.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
@@ -63,10 +65,10 @@ class ModelRunner:
             k = runner.rotate(k, cos, sin)
             self.keys[i][slot_idx, :, pos] = k.transpose(0, 1)
             self.values[i][slot_idx, :, pos] = v.transpose(0, 1)
-            visible = key_pos[None, :] <= row_pos[:, None]  # [high, T]
             window = runner.windows[i]
-            if window is not None:
-                visible &= key_pos[None, :] > row_pos[:, None] - window
+            if window not in masks:
+                assert window is not None
+                masks[window] = (causal & (key_pos > row_pos[:, None] - window))[:, None, None]
             # One query per sequence: the G query heads of a KV group attend as G rows over the
             # same keys, which needs no GQA support from the kernel.
             q_rows = q.new_zeros(high, shape.num_kv_heads, self.group, shape.head_dim)
@@ -75,7 +77,7 @@ class ModelRunner:
                 q_rows,
                 self.keys[i][:high, :, :num_keys],  # [high, H_kv, T, D], a view of the pool
                 self.values[i][:high, :, :num_keys],
-                attn_mask=visible[:, None, None, :],
+                attn_mask=masks[window],
                 scale=runner.layers[i].self_attn.scaling,
             )
             h = runner.finish_layer(i, h, out[slot_idx].reshape(batch, -1))
