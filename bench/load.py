@@ -1,17 +1,21 @@
 """Load generator for a running ragblend stack: N concurrent clients stream POST /v1/query
-with a bounded number of requests and a time limit; prints throughput, TTFT p50/p99 per mode
-and errors as a Markdown table. A benchmark, never run as a test."""
+with a bounded number of requests and a time limit; prints throughput (requests and tokens
+per second), TTFT p50/p99 per mode and errors by HTTP status as a Markdown table, and with
+`--csv` appends one row per mode (and one for all) to a CSV. A benchmark, never run as a
+test."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import itertools
 import json
 import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -43,9 +47,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-async def one_query(
-    http: httpx.AsyncClient, body: dict, stats: ModeStats
-) -> None:
+async def one_query(http: httpx.AsyncClient, body: dict, stats: ModeStats) -> None:
     """Streams one query; TTFT is the first `delta` event as this client sees it."""
     start = time.perf_counter()
     ttft_s = None
@@ -94,8 +96,13 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, ModeStats], float]:
             if item is None:
                 return
             mode, question = item
-            body = {"question": question, "mode": mode, "top_k": args.top_k,
-                    "max_tokens": args.max_tokens, "stream": True}
+            body = {
+                "question": question,
+                "mode": mode,
+                "top_k": args.top_k,
+                "max_tokens": args.max_tokens,
+                "stream": True,
+            }
             await one_query(http, body, stats[mode])
 
     timeout = httpx.Timeout(args.time_limit_s, connect=5.0)
@@ -111,29 +118,104 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, ModeStats], float]:
     return stats, time.perf_counter() - started
 
 
-def table(stats: dict[str, ModeStats], elapsed_s: float, args: argparse.Namespace) -> str:
-    lines = [
-        f"{args.concurrency} clients, {args.requests} requests max, {args.time_limit_s:.0f} s "
-        f"limit, top_k {args.top_k}, max_tokens {args.max_tokens}; ran {elapsed_s:.1f} s",
-        "",
-        "| mode | ok | errors | req/s | tokens/s | TTFT p50 (s) | TTFT p99 (s) | latency p50 (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    total_ok = total_errors = 0
-    for mode, s in stats.items():
+def combined(stats: dict[str, ModeStats]) -> ModeStats:
+    total = ModeStats()
+    for s in stats.values():
+        total.ttft_s += s.ttft_s
+        total.latency_s += s.latency_s
+        total.completion_tokens += s.completion_tokens
+        total.errors += s.errors
+        for kind, count in s.error_kinds.items():
+            total.error_kinds[kind] += count
+    return total
+
+
+def rows(stats: dict[str, ModeStats], elapsed_s: float) -> list[dict]:
+    """One row per mode and one for all modes; an `errors <kind>` column per error kind seen
+    (`HTTP 429`, `HTTP 503`, `stream error`, an httpx exception's name)."""
+    kinds = sorted({k for s in stats.values() for k in s.error_kinds})
+    out = []
+    for mode, s in [*stats.items(), ("all", combined(stats))]:
         ok = len(s.latency_s)
-        total_ok += ok
-        total_errors += s.errors
-        lines.append(
-            f"| {mode} | {ok} | {s.errors} | {ok / elapsed_s:.2f} | "
-            f"{s.completion_tokens / elapsed_s:.1f} | {percentile(s.ttft_s, 50):.3f} | "
-            f"{percentile(s.ttft_s, 99):.3f} | {percentile(s.latency_s, 50):.3f} |"
+        out.append(
+            {
+                "mode": mode,
+                "ok": ok,
+                "errors": s.errors,
+                **{f"errors {kind}": s.error_kinds.get(kind, 0) for kind in kinds},
+                "req_per_s": ok / elapsed_s,
+                "tokens_per_s": s.completion_tokens / elapsed_s,
+                "ttft_p50_s": percentile(s.ttft_s, 50),
+                "ttft_p99_s": percentile(s.ttft_s, 99),
+                "latency_p50_s": percentile(s.latency_s, 50),
+            }
         )
-    lines.append(f"| all | {total_ok} | {total_errors} | {total_ok / elapsed_s:.2f} | | | | |")
-    kinds = {k: v for s in stats.values() for k, v in s.error_kinds.items()}
-    if kinds:
-        lines += ["", "errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))]
+    return out
+
+
+def table(stats: dict[str, ModeStats], elapsed_s: float, args: argparse.Namespace) -> str:
+    data = rows(stats, elapsed_s)
+    kinds = [k for k in data[0] if k.startswith("errors ")]
+    lines = [
+        f"{args.label + ': ' if args.label else ''}{args.concurrency} clients, {args.requests} "
+        f"requests max, {args.time_limit_s:.0f} s limit, top_k {args.top_k}, max_tokens "
+        f"{args.max_tokens}; ran {elapsed_s:.1f} s",
+        "",
+        "| mode | ok | errors | "
+        + "".join(f"{k[7:]} | " for k in kinds)
+        + "req/s | tokens/s | TTFT p50 (s) | TTFT p99 (s) | latency p50 (s) |",
+        "|---|---:|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|",
+    ]
+    for r in data:
+        lines.append(
+            f"| {r['mode']} | {r['ok']} | {r['errors']} | "
+            + "".join(f"{r[k]} | " for k in kinds)
+            + f"{r['req_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} | "
+            f"{r['ttft_p99_s']:.3f} | {r['latency_p50_s']:.3f} |"
+        )
     return "\n".join(lines)
+
+
+CSV_FIELDS = [
+    "label",
+    "concurrency",
+    "requests",
+    "time_limit_s",
+    "elapsed_s",
+    "mode",
+    "ok",
+    "errors",
+    "errors_by_status",
+    "req_per_s",
+    "tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "latency_p50_s",
+]
+
+
+def append_csv(path: Path, stats: dict[str, ModeStats], elapsed_s: float, args) -> None:
+    """Append this run's rows; error kinds go into one `kind=count;...` column so runs with
+    different errors share a header."""
+    new = not path.exists() or path.stat().st_size == 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        for r in rows(stats, elapsed_s):
+            kinds = {k[7:]: v for k, v in r.items() if k.startswith("errors ") and v}
+            writer.writerow(
+                {
+                    "label": args.label,
+                    "concurrency": args.concurrency,
+                    "requests": args.requests,
+                    "time_limit_s": args.time_limit_s,
+                    "elapsed_s": round(elapsed_s, 2),
+                    "errors_by_status": ";".join(f"{k}={v}" for k, v in sorted(kinds.items())),
+                    **{k: r[k] for k in CSV_FIELDS if k in r},
+                }
+            )
 
 
 def main() -> None:
@@ -145,9 +227,13 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--top-k", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--label", default="", help="names this run in the table and CSV")
+    parser.add_argument("--csv", type=Path, help="append this run's rows to this CSV")
     args = parser.parse_args()
     stats, elapsed_s = asyncio.run(run(args))
     print(table(stats, elapsed_s, args))
+    if args.csv:
+        append_csv(args.csv, stats, elapsed_s, args)
 
 
 if __name__ == "__main__":
