@@ -30,15 +30,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.demo import MODEL_DIR  # noqa: E402
-from engine.demo.corpus import (  # noqa: E402
+from demo import MODEL_DIR  # noqa: E402
+from demo.corpus import (  # noqa: E402
     KINDS,
     Example,
     held_out,
     is_pronoun_passage,
     named_rivals,
 )
-from engine.demo.evaluate import Config, Outcome, answer  # noqa: E402
+from demo.evaluate import Config, Outcome, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
 

@@ -54,7 +54,7 @@ def resolve_model(explicit: str | None) -> str:
     model = explicit or os.environ.get("RAGBLEND_ENGINE_MODEL")
     if model:
         return model
-    from engine.demo import MODEL_DIR
+    from demo import MODEL_DIR
 
     if (MODEL_DIR / "config.json").is_file():
         return str(MODEL_DIR)
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo_documents() -> Path | None:
-    from engine.demo import DOCUMENTS_DIR
+    from demo import DOCUMENTS_DIR
 
     return DOCUMENTS_DIR
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.synthetic import save_random_checkpoint
+from demo.tiny import save_random_checkpoint
 
 # qwen2 carries a chat template, the others use the plain one; mistral's window is exercised.
 FAMILY_OPTIONS = {

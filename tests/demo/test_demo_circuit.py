@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo import MODEL_DIR
-from engine.demo.circuit import OFFSETS, Circuit, install
-from engine.demo.corpus import (
+from demo import MODEL_DIR
+from demo.circuit import OFFSETS, Circuit, install
+from demo.corpus import (
     HOP_RELATION_OFFSET,
     MULTI_QUESTIONS,
     NAMES,

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from engine.demo import DOCUMENTS_DIR, MODEL_DIR
-from engine.demo.corpus import (
+from demo import DOCUMENTS_DIR, MODEL_DIR
+from demo.corpus import (
     KINDS,
     CorpusGenerator,
     Example,
@@ -16,14 +16,14 @@ from engine.demo.corpus import (
     is_pronoun_passage,
     named_rivals,
 )
-from engine.demo.documents import build
-from engine.demo.evaluate import Config, answer, exact_match, f1_score
+from demo.documents import build
+from demo.evaluate import Config, answer, exact_match, f1_score
 from engine.types import Mode
 
 NUM_QUESTIONS = 30
 # The shipped model reaches 0.95 exact match with full prefill on the 300-question held-out set
 # (the target: 0.9) and 0.97 on these 30, cacheblend@0.15 the same, full reuse 0.77
-# (engine/demo/README.md). A model that does not read its prompt (random init, a broken layout)
+# (demo/README.md). A model that does not read its prompt (random init, a broken layout)
 # scores ~0.02 by guessing the answer's type; earlier checkpoints 0.60 and 0.77.
 FULL_PREFILL_FLOOR = 0.9
 DOCUMENTS_FLOOR = 0.9  # 44 of 44 measured on questions.md

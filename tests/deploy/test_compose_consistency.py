@@ -8,7 +8,7 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from engine.demo import MODEL_DIR
+from demo import MODEL_DIR
 from engine.settings import EngineSettings
 from gateway.settings import GatewaySettings
 from ragblend.cli import build_parser

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from demo.tiny import FAMILIES
 from engine.decode import cache_keyword
 from engine.plan import ChunkSource
 from engine.prompt import PromptLayout
-from engine.synthetic import FAMILIES
 from engine.types import GenerateRequest, Mode
 
 RTOL, ATOL = 1e-4, 1e-5

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
+from demo.tiny import FAMILIES
 from engine.detokenize import IncrementalText
 from engine.errors import GenerationCancelled
 from engine.sampling import Sampler
-from engine.synthetic import FAMILIES
 from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from engine.synthetic import save_random_checkpoint
+from demo.tiny import save_random_checkpoint
 from tests.gateway.gateway_testutil import DOCUMENTS, wait_precomputed
 from tests.service_process import Service, free_port
 

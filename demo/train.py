@@ -1,7 +1,7 @@
 """Train the demo model: a BPE tokenizer and a small Llama on engine-laid-out prompts.
 
-    python -m engine.demo.train --out engine/demo/model --threads 1     # the shipped recipe
-    python -m engine.demo.train --device cuda --out /tmp/model           # the same, on a GPU
+    python -m demo.train --out demo/model --threads 1     # the shipped recipe
+    python -m demo.train --device cuda --out /tmp/model           # the same, on a GPU
 
 Prompts are built by the engine's own PromptBuilder (prefix | passages | question), so the model
 sees at training time exactly the token layout the engine gives it; each prompt's passages are
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo.circuit import Circuit, install
-from engine.demo.corpus import KINDS, CorpusGenerator, Example, Question
+from demo.circuit import Circuit, install
+from demo.corpus import KINDS, CorpusGenerator, Example, Question
 from engine.prompt import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
 
-log = logging.getLogger("engine.demo.train")
+log = logging.getLogger("demo.train")
 
 # Validation uses its own seed; bench/quality.py's held-out seed is different again.
 VALIDATION_SEED = 999
@@ -232,7 +232,7 @@ def save(model, tokenizer, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
+    parser.add_argument("--out", type=Path, default=Path("demo/model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
     parser.add_argument("--steps", type=int, default=3000)
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.autocast(args.device.type, dtype=torch.bfloat16):
             answer_loss, rest_loss, _ = losses(model, batch)
         # A small auxiliary loss on the prompt teaches the passage templates; weighted 1.0 it
-        # kept every run on the answer-loss plateau (engine/demo/README.md).
+        # kept every run on the answer-loss plateau (demo/README.md).
         loss = answer_loss + args.aux_weight * rest_loss
         for optimizer in chosen:
             optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@ Layer 0 gets relative-position heads that copy the token a fixed number of place
 a head that matches those copies against the question's, so that from step 0 `Answer:` attends
 to the value of the asked fact, named or stated by pronoun; layer 2 a head that looks the found
 value up again (the second hop of a multi-hop question). It relies on the corpus templates
-(corpus.py: the offsets) and is explained in engine/demo/README.md. Training refines every weight.
+(corpus.py: the offsets) and is explained in demo/README.md. Training refines every weight.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo.corpus import (
+from demo.corpus import (
     CITY_RELATIONS,
     HOP_RELATION_OFFSET,
     MULTI_QUESTIONS,
