@@ -23,13 +23,14 @@ RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY ragblend ragblend
+COPY common common
 COPY engine engine
 COPY kvstore kvstore
 COPY retriever retriever
 COPY gateway gateway
 COPY demo demo
 # Installed in place: the bundled demo model and documents stay at /app/demo.
-RUN pip install -e . && python -c "import engine, gateway, kvstore, retriever, ragblend, demo"
+RUN pip install -e . && python -c "import common, engine, gateway, kvstore, retriever, ragblend, demo"
 
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_VARIANT=cpu

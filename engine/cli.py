@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ragblend.serving import serve, settings_from_args
+from common.serving import serve, settings_from_args
 
 
 def add_parser(subparsers) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragblend.serving import serve, settings_from_args
+from common.serving import serve, settings_from_args
 
 logger = logging.getLogger(__name__)
 

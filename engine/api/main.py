@@ -10,13 +10,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from common.request_id import RequestIdMiddleware
 from engine.api.routes import generate, health, precompute
 from engine.engine import Engine
 from engine.metrics import EngineMetrics
 from engine.model import load_model
 from engine.settings import GIB, EngineSettings
 from kvstore.store import KVStore, KVStoreConfig
-from ragblend.request_id import RequestIdMiddleware
 
 log = logging.getLogger(__name__)
 

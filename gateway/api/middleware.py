@@ -9,9 +9,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.request_id import HEADER, request_id_of, request_id_var
 from gateway.metrics import GatewayMetrics
-from ragblend.request_id import HEADER as REQUEST_ID_HEADER
-from ragblend.request_id import request_id_of, request_id_var
 
 # The routes that occupy an engine: only these count against max_concurrency.
 ADMITTED_PATHS = frozenset({"/v1/query", "/v1/chat/completions", "/v1/completions"})
@@ -61,7 +60,7 @@ class GatewayMiddleware:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [
-                    *message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())
+                    *message.get("headers", []), (HEADER, request_id.encode())
                 ]
             await send(message)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from common.request_id import REQUEST_ID_HEADER
 from gateway.errors import (
     DependencyBusyError,
     DependencyFailedError,
@@ -19,7 +20,6 @@ from gateway.errors import (
 
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({502, 503, 504})
-REQUEST_ID_HEADER = "X-Request-ID"
 
 ErrorHook = Callable[[str, str], None]  # (dependency, kind) -> None, for metrics
 

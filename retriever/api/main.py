@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from ragblend.request_id import RequestIdMiddleware
+from common.request_id import RequestIdMiddleware
 from retriever.api.routes import documents, health, search
 from retriever.metrics import RetrieverMetrics
 from retriever.service import RetrieverService
