@@ -35,6 +35,6 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.api.main import create_app
-    from engine.settings import EngineSettings
+    from engine.api.settings import EngineSettings
 
     return serve(create_app, settings_from_args(EngineSettings, args, "engine"), args)

@@ -11,11 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from common.request_id import RequestIdMiddleware
+from engine.api.metrics import EngineMetrics
 from engine.api.routes import generate, health, precompute
+from engine.api.settings import GIB, EngineSettings
 from engine.engine import Engine
-from engine.metrics import EngineMetrics
 from engine.model import load_model
-from engine.settings import GIB, EngineSettings
 from kvstore.store import KVStore, KVStoreConfig
 
 log = logging.getLogger(__name__)

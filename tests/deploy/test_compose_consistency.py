@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 import pytest
 
 from demo import MODEL_DIR
-from engine.settings import EngineSettings
+from engine.api.settings import EngineSettings
 from gateway.settings import GatewaySettings
 from ragblend.cli import build_parser
 from retriever.settings import RetrieverSettings
