@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.serving import serve, settings_from_args
+from common.serving import add_settings_flags, serve, settings_from_args
+from retriever.settings import RetrieverSettings
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +23,7 @@ RETRIEVER_URL = "http://127.0.0.1:8001"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     service = subparsers.add_parser("retriever", help="run the retriever service")
-    service.add_argument("--host", help="bind address (default 127.0.0.1)")
-    service.add_argument("--port", type=int, help="port (default 8001)")
-    service.add_argument("--data-dir", help="catalog and index folder (default ./data/retriever)")
-    service.add_argument("--embedding-model", help="sentence-transformers model name or path")
-    service.add_argument("--tokenizer", help="LLM tokenizer (path or hub id) used for chunking")
-    service.add_argument("--chunk-tokens", type=int, help="tokens per chunk (default 512)")
-    service.add_argument("--index", choices=("flat", "hnsw"), help="FAISS index kind")
-    service.add_argument("--max-top-k", type=int, help="largest top_k a search may ask for")
+    add_settings_flags(service, RetrieverSettings)
     service.set_defaults(run=run_retriever)
 
     ingest = subparsers.add_parser("ingest", help="ingest files or folders (recursively)")
@@ -45,7 +39,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_retriever(args: argparse.Namespace) -> int:
     from retriever.api.main import create_app
-    from retriever.settings import RetrieverSettings
 
     settings = settings_from_args(RetrieverSettings, args, "retriever")
     return serve(create_app, settings, args, access_log=False)
