@@ -9,6 +9,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.errors import error_body
 from common.request_id import HEADER, request_id_of, request_id_var
 from gateway.metrics import GatewayMetrics
 
@@ -89,7 +90,7 @@ class GatewayMiddleware:
 
     async def _too_busy(self, send: Send) -> None:
         detail = f"gateway busy: {self.admission.limit} queries in flight (max_concurrency)"
-        body = json.dumps({"detail": detail}).encode()
+        body = json.dumps(error_body(detail)).encode()
         await send({
             "type": "http.response.start",
             "status": 429,

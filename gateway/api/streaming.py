@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from contextlib import AsyncExitStack
 
 from fastapi import Request
@@ -16,11 +15,6 @@ from gateway.types import Generation, Outcome
 
 DISCONNECT_POLL_S = 0.25
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def sse(payload: dict, event: str | None = None) -> str:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(payload)}\n\n"
 
 
 async def open_generation(

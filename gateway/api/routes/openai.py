@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from common.sse import sse
 from gateway.api.deps import (
     PipelineDep,
     SettingsDep,
@@ -36,7 +37,6 @@ from gateway.api.streaming import (
     SSE_HEADERS,
     collect_unless_disconnected,
     open_generation,
-    sse,
 )
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import Pipeline, TimedStream

@@ -12,6 +12,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from common.errors import error_body
+from common.sse import sse
 from gateway.api.deps import (
     PipelineDep,
     RequestIdDep,
@@ -24,7 +26,6 @@ from gateway.api.streaming import (
     SSE_HEADERS,
     collect_unless_disconnected,
     open_generation,
-    sse,
 )
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import TimedStream
@@ -84,4 +85,4 @@ async def _events(
                     yield sse({"text": event.text}, "delta")
         except GatewayDependencyError as exc:
             log.warning("stream failed: %s", exc)
-            yield sse({"detail": str(exc)}, "error")
+            yield sse(error_body(str(exc)), "error")
