@@ -38,7 +38,7 @@ from demo.corpus import (  # noqa: E402
     is_pronoun_passage,
     named_rivals,
 )
-from demo.evaluate import Config, Outcome, answer  # noqa: E402
+from demo.evaluate import Config, EvalResult, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
 
@@ -96,7 +96,7 @@ def retrieved_passages(examples: list[Example], top_k: int) -> list[list[str]]:
 
 def run(engine: Engine, examples: list[Example], contexts: list[list[str]], setting: str):
     """Per-question outcomes of every config."""
-    records: list[tuple[str, Example, Outcome, bool]] = []
+    records: list[tuple[str, Example, EvalResult, bool]] = []
     started = time.perf_counter()
     for i, (example, passages) in enumerate(zip(examples, contexts, strict=True)):
         outcomes = answer(engine, example.question, example.answer, passages, CONFIGS)
@@ -112,7 +112,7 @@ def run(engine: Engine, examples: list[Example], contexts: list[list[str]], sett
 
 
 def summarize(records) -> list[dict]:
-    groups: dict[tuple, list[Outcome]] = defaultdict(list)
+    groups: dict[tuple, list[EvalResult]] = defaultdict(list)
     agree: dict[tuple, list[bool]] = defaultdict(list)
     for setting, example, outcome, same in records:
         for kind in (example.kind, "all"):

@@ -11,14 +11,14 @@ from contextlib import AsyncExitStack
 from fastapi import Request
 
 from gateway.pipeline import Pipeline, TimedStream
-from gateway.types import Generation, Outcome
+from gateway.types import EngineRequest, EngineResult
 
 DISCONNECT_POLL_S = 0.25
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def open_generation(
-    pipeline: Pipeline, generation: Generation, request: Request
+    pipeline: Pipeline, generation: EngineRequest, request: Request
 ) -> tuple[TimedStream, AsyncExitStack]:
     """The open stream and the stack that closes it; the caller owns the stack (a streaming
     response closes it when it ends, however it ends)."""
@@ -36,7 +36,7 @@ async def open_generation(
     return stream, stack
 
 
-async def collect_unless_disconnected(stream: TimedStream, request: Request) -> Outcome | None:
+async def collect_unless_disconnected(stream: TimedStream, request: Request) -> EngineResult | None:
     """The outcome, or None when the client left first (the engine's work is then cancelled
     by closing its stream)."""
     task = asyncio.ensure_future(stream.collect())

@@ -41,7 +41,7 @@ from gateway.api.streaming import (
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import Pipeline, TimedStream
 from gateway.settings import GatewaySettings
-from gateway.types import Generation, Outcome, Source
+from gateway.types import EngineRequest, EngineResult, Source
 
 router = APIRouter(tags=["openai"])
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ async def _start(
     sources, _ = await pipeline.retrieve(
         question, top_k, body.rag.doc_ids, request_id=request.state.request_id
     )
-    generation = Generation(
+    generation = EngineRequest(
         question=question, sources=tuple(sources), mode=body.rag.mode,
         recompute_ratio=body.rag.recompute_ratio, max_tokens=max_tokens,
         temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list,
@@ -144,7 +144,7 @@ class _Run:
         self.mode, self.model = mode, model
         self.created = int(time.time())
 
-    def rag_info(self, outcome: Outcome) -> RagInfo:
+    def rag_info(self, outcome: EngineResult) -> RagInfo:
         timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
         return RagInfo(
             sources=[SourceOut.of(s) for s in self.sources], mode=self.mode,
@@ -152,7 +152,7 @@ class _Run:
             timings={**timings, "gateway_ttft_s": self.stream.ttft_s},
         )
 
-    async def collect(self, request: Request) -> Outcome:
+    async def collect(self, request: Request) -> EngineResult:
         async with self.stack:
             outcome = await collect_unless_disconnected(self.stream, request)
         if outcome is None:
@@ -181,7 +181,7 @@ class _Run:
                 yield framed(first)
             try:
                 async for event in self.stream.events():
-                    if isinstance(event, Outcome):
+                    if isinstance(event, EngineResult):
                         yield framed(chunk(None, _finish(event)))
                         if include_usage:
                             last = chunk(None, None)
@@ -197,5 +197,5 @@ class _Run:
             yield "data: [DONE]\n\n"
 
 
-def _finish(outcome: Outcome) -> str:
+def _finish(outcome: EngineResult) -> str:
     return outcome.finish_reason if outcome.finish_reason in FINISH_REASONS else "stop"

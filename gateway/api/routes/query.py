@@ -29,7 +29,7 @@ from gateway.api.streaming import (
 )
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import TimedStream
-from gateway.types import Generation, Outcome, Source
+from gateway.types import EngineRequest, EngineResult, Source
 
 router = APIRouter(tags=["query"])
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ async def query(
     sources, retrieval_s = await pipeline.retrieve(
         body.question, top_k, body.doc_ids, request_id=request_id
     )
-    generation = Generation(
+    generation = EngineRequest(
         question=body.question, sources=tuple(sources), mode=body.mode,
         recompute_ratio=body.recompute_ratio, max_tokens=max_tokens,
         temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -53,7 +53,7 @@ async def query(
     )
     stream, stack = await open_generation(pipeline, generation, request)
 
-    def response(outcome: Outcome) -> QueryResponse:
+    def response(outcome: EngineResult) -> QueryResponse:
         return QueryResponse.of(
             outcome, body.mode, sources, retrieval_s=retrieval_s, ttft_s=stream.ttft_s,
             total_s=time.perf_counter() - request.state.arrived_at, request_id=request_id,
@@ -79,7 +79,7 @@ async def _events(
         yield sse({"sources": [SourceOut.of(s).model_dump() for s in sources]}, "sources")
         try:
             async for event in stream.events():
-                if isinstance(event, Outcome):
+                if isinstance(event, EngineResult):
                     yield sse(response(event).model_dump(), "result")
                 elif event.text:
                     yield sse({"text": event.text}, "delta")

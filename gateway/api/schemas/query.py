@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.types import Outcome, Source
+from gateway.types import EngineResult, Source
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
 
@@ -76,7 +76,7 @@ class QueryResponse(BaseModel):
 
     @classmethod
     def of(
-        cls, outcome: Outcome, mode: str, sources: list[Source], *, retrieval_s: float,
+        cls, outcome: EngineResult, mode: str, sources: list[Source], *, retrieval_s: float,
         ttft_s: float | None, total_s: float, request_id: str,
     ) -> QueryResponse:
         engine_timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
