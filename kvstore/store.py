@@ -87,16 +87,6 @@ class KVStore:
                 tiers.append(None)
         return tiers
 
-    def get(self, key: str) -> ChunkKV | None:
-        """The whole entry (host tensors), or None on a miss; an SSD hit is promoted to memory.
-        A bad SSD entry is a miss (logged, counted, deleted); nothing is raised."""
-        kv = self.memory.get(key)
-        if kv is None and self.ssd is not None:
-            kv = self.ssd.get(key)
-            if kv is not None:
-                self.memory.put(key, kv)
-        return kv
-
     def put(self, key: str, kv: ChunkKV) -> None:
         """Store `kv` in memory now and on SSD in the background (see flush()). The store keeps
         the tensors it is given (moved to host): do not modify them afterwards.

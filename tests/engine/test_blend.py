@@ -13,6 +13,7 @@ from engine.decode import cache_keyword
 from engine.plan import ChunkSource
 from engine.prompt import PromptLayout
 from engine.types import GenerateRequest, Mode
+from tests.kvstore.kv_testutil import read_entry
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -141,7 +142,7 @@ def test_ratio_zero_equals_naive_concatenation_of_chunk_caches(engine_for, make_
     for i in range(len(model.model.layers)):
         keys, values = [prefix_cache.layers[i].keys], [prefix_cache.layers[i].values]
         for tokens, (start, length) in zip(layout.chunks, layout.chunk_spans, strict=True):
-            stored = engine.store.get(engine.chunk_key(tokens))
+            stored = read_entry(engine.store, engine.chunk_key(tokens))
             k = stored.keys[i][None]
             rotated, _ = rope_module.apply_rotary_pos_emb(
                 k, k, cos[:, start : start + length], sin[:, start : start + length]
@@ -230,7 +231,7 @@ def test_uncached_chunk_is_computed_in_full_and_written_back(engine_for, make_ch
     engine.generate(request((cached, fresh)))
     engine.drain()
     assert engine.store.lookup([fresh_key])[0] is not None
-    stored = engine.store.get(fresh_key)
+    stored = read_entry(engine.store, fresh_key)
     expected = engine.compute_chunk_kv(engine.prompts.chunk_tokens(fresh.text))
     torch.testing.assert_close(stored.keys, expected.keys, rtol=0, atol=0)
 
