@@ -52,7 +52,7 @@ CONFIGS = (
     *(Config(Mode.CACHEBLEND, r) for r in RATIOS),
 )
 FIELDS = ["retrieval", "mode", "recompute_ratio", "kind", "questions", "exact_match", "f1",
-          "agreement", "gold_logprob", "kv_deviation", "ttft_ms"]  # fmt: skip
+          "agreement", "gold_logprob", "kv_deviation", "ttft_ms"]
 
 
 def documents(example: Example) -> list[str]:
@@ -81,7 +81,7 @@ def retrieved_passages(examples: list[Example], top_k: int) -> list[list[str]]:
             for text in texts:
                 service.ingest(DocumentInput(text))
             log.info("ingested %d documents in %.1f s", len(texts),
-                     time.perf_counter() - started)  # fmt: skip
+                     time.perf_counter() - started)
             contexts = [[hit.text for hit in service.search(e.question, top_k)] for e in examples]
         finally:
             service.close()
@@ -90,7 +90,7 @@ def retrieved_passages(examples: list[Example], top_k: int) -> list[list[str]]:
         found = all(any(example.passages[g] in chunk for chunk in context) for g in example.gold)
         recall[example.kind].append(found)
     log.info("retrieval recall@%d (all gold passages retrieved): %s", top_k,
-             {k: round(statistics.fmean(v), 3) for k, v in recall.items()})  # fmt: skip
+             {k: round(statistics.fmean(v), 3) for k, v in recall.items()})
     return contexts
 
 
@@ -104,10 +104,10 @@ def run(engine: Engine, examples: list[Example], contexts: list[list[str]], sett
         for outcome in outcomes:
             # Agreement: the same answer as full prefill, right or wrong.
             records.append((setting, example, outcome,
-                            outcome.prediction == outcomes[0].prediction))  # fmt: skip
+                            outcome.prediction == outcomes[0].prediction))
         if (i + 1) % 50 == 0:
             log.info("%s: %d/%d questions, %.0f s", setting, i + 1, len(examples),
-                     time.perf_counter() - started)  # fmt: skip
+                     time.perf_counter() - started)
     return records
 
 
@@ -132,7 +132,7 @@ def summarize(records) -> list[dict]:
             "gold_logprob": round(statistics.fmean(o.gold_logprob for o in outcomes), 4),
             "kv_deviation": round(statistics.fmean(o.kv_deviation for o in outcomes), 4),
             "ttft_ms": round(1000 * statistics.median(o.ttft_s for o in outcomes), 2),
-        })  # fmt: skip
+        })
     return rows
 
 
@@ -146,7 +146,7 @@ def binding(records) -> list[dict]:
             hits[named_rivals(example)].append(outcome.exact_match)
     return [{"named_passages_with_relation": n, "questions": len(h),
              "exact_match": round(statistics.fmean(h), 4), "chance": round(1 / n, 4)}
-            for n, h in sorted(hits.items())]  # fmt: skip
+            for n, h in sorted(hits.items())]
 
 
 def label(row: dict) -> str:
@@ -159,7 +159,7 @@ def markdown_table(rows: list[dict], setting: str) -> str:
     """Rows: modes; columns: EM / F1 per kind, then KV deviation and TTFT over all kinds."""
     kinds = [*KINDS, "all"]
     header = ("| mode | " + " | ".join(f"{k} EM / F1" for k in kinds)
-              + " | agree w/ full | gold log p | KV deviation | TTFT ms (median) |")  # fmt: skip
+              + " | agree w/ full | gold log p | KV deviation | TTFT ms (median) |")
     lines = [header, "|" + "---|" * (len(kinds) + 5)]
     by = {(label(r), r["kind"]): r for r in rows if r["retrieval"] == setting}
     for config in CONFIGS:
@@ -167,11 +167,11 @@ def markdown_table(rows: list[dict], setting: str) -> str:
         if (name, "all") not in by:
             continue
         cells = [f"{by[(name, k)]['exact_match']:.3f} / {by[(name, k)]['f1']:.3f}"
-                 for k in kinds if (name, k) in by]  # fmt: skip
+                 for k in kinds if (name, k) in by]
         total = by[(name, "all")]
         lines.append(f"| {name} | " + " | ".join(cells)
                      + f" | {total['agreement']:.3f} | {total['gold_logprob']:.2f}"
-                     + f" | {total['kv_deviation']:.4f} | {total['ttft_ms']:.1f} |")  # fmt: skip
+                     + f" | {total['kv_deviation']:.4f} | {total['ttft_ms']:.1f} |")
     return "\n".join(lines)
 
 
@@ -189,7 +189,7 @@ def plot(rows: list[dict], docs_dir: Path) -> None:
             xs = [0.0, *RATIOS, 1.0]
             ys = [pick["full_reuse"]["exact_match"],
                   *(pick[f"cacheblend r={r:g}"]["exact_match"] for r in RATIOS),
-                  pick["full_prefill"]["exact_match"]]  # fmt: skip
+                  pick["full_prefill"]["exact_match"]]
             ax.plot(xs, ys, "o-", color=color, label=kind, lw=2 if kind == "all" else 1.2)
         ax.set_xlabel("recompute ratio r (0 = full reuse, 1 = full prefill)")
         ax.set_ylabel("exact match")
@@ -207,9 +207,9 @@ def plot(rows: list[dict], docs_dir: Path) -> None:
         pick = [r for r in rows if r["retrieval"] == setting and r["kind"] == "all"]
         for r in pick:
             ax.scatter(r["ttft_ms"], r["f1"], marker=marker,
-                       color="C3" if r["mode"] != "cacheblend" else "C0")  # fmt: skip
+                       color="C3" if r["mode"] != "cacheblend" else "C0")
             ax.annotate(label(r), (r["ttft_ms"], r["f1"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+                        xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("median TTFT (ms, CPU, tiny model; o: retrieval off, s: on)")
     ax.set_ylabel("F1")
     ax.set_title("Demo model: TTFT vs. quality")
@@ -260,9 +260,9 @@ def main() -> None:
     print("| passages | questions | exact match | chance (1/n) |\n|---|---|---|---|")
     for row in bound:
         print(f"| {row['named_passages_with_relation']} | {row['questions']} "
-              f"| {row['exact_match']:.3f} | {row['chance']:.3f} |")  # fmt: skip
+              f"| {row['exact_match']:.3f} | {row['chance']:.3f} |")
     print(f"\nwrote {args.csv}, {args.docs / 'quality_vs_ratio.png'}, "
-          f"{args.docs / 'ttft_vs_quality.png'}")  # fmt: skip
+          f"{args.docs / 'ttft_vs_quality.png'}")
 
 
 if __name__ == "__main__":

@@ -50,16 +50,16 @@ def build(seed: int = SEED) -> tuple[dict[str, str], list[DemoQuestion]]:
         files[file] = text + "\n"
         for r in named:
             questions.append(DemoQuestion(relations[r][2].format(s=entity.name),
-                                          entity.facts[r], "single", (file,)))  # fmt: skip
+                                          entity.facts[r], "single", (file,)))
         questions.append(DemoQuestion(relations[pronoun][2].format(s=entity.name),
-                                      entity.facts[pronoun], "context", (file,)))  # fmt: skip
+                                      entity.facts[pronoun], "context", (file,)))
         if not entity.is_city:
             city = next(c for c in cities if c.name == entity.facts["city"])
             relation = rng.choice(list(MULTI_QUESTIONS))
             questions.append(DemoQuestion(
                 MULTI_QUESTIONS[relation].format(s=entity.name), city.facts[relation], "multi",
                 (file, f"{city.name.lower()}.md"),
-            ))  # fmt: skip
+            ))
     return files, questions
 
 
@@ -81,7 +81,7 @@ def write(directory: Path = DOCUMENTS_DIR, questions_file: Path = QUESTIONS_FILE
         "|---|---|---|---|",
     ]
     lines += [f"| {q.question} | {q.answer} | {q.kind} | {', '.join(q.files)} |"
-              for q in questions]  # fmt: skip
+              for q in questions]
     questions_file.write_text("\n".join(lines) + "\n")
 
 

@@ -116,7 +116,7 @@ def answer(
                     prefill.output.keys, prefill.output.values,
                     reference.output.keys, reference.output.values,
                     reference.layout.chunk_spans,
-                )  # fmt: skip
+                )
             logprob = float(prefill.output.logits.float().log_softmax(-1)[first_token])
         result = engine.generate(request)
         outcomes.append(

@@ -95,7 +95,7 @@ class Packed:
 
 
 def encode(builder: PromptBuilder, example: Example, extra: int = 0,
-           rng: random.Random | None = None) -> Packed:  # fmt: skip
+           rng: random.Random | None = None) -> Packed:
     """The example's prompt and answer, plus up to `extra` more of the questions its passages
     answer, packed over one shared context (prefix + passages) as the engine lays it out."""
     questions = [Question(example.question, example.answer, example.kind)]
@@ -212,7 +212,7 @@ def optimizers(model: LlamaForCausalLM, args) -> list[torch.optim.Optimizer]:
     ]
     if matrices:
         chosen.append(torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.05,
-                                       adjust_lr_fn="original"))  # fmt: skip
+                                       adjust_lr_fn="original"))
     for optimizer in chosen:
         for group in optimizer.param_groups:
             group["peak"] = group["lr"]
@@ -256,21 +256,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--rope-theta", type=float, default=1e6,
-                        help="RoPE base: the circuit's lookups need slow pairs")  # fmt: skip
+                        help="RoPE base: the circuit's lookups need slow pairs")
     parser.add_argument("--kind-weights", type=float, nargs=3, default=TRAIN_WEIGHTS,
                         metavar=("SINGLE", "MULTI", "CONTEXT"),
-                        help="how often each kind of question is drawn")  # fmt: skip
+                        help="how often each kind of question is drawn")
     parser.add_argument("--aux-weight", type=float, default=0.1)
     parser.add_argument("--short-steps", type=int, default=0, help="steps of short prompts first")
     parser.add_argument("--short-passages", type=int, default=2)
     parser.add_argument("--questions", type=int, default=4,
-                        help="questions per prompt, packed over its passages")  # fmt: skip
+                        help="questions per prompt, packed over its passages")
     parser.add_argument("--documents", type=int, default=0,
-                        help="bare-document rows per batch (see document())")  # fmt: skip
+                        help="bare-document rows per batch (see document())")
     parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
-                        help="structured init of the fact lookups (circuit.py)")  # fmt: skip
+                        help="structured init of the fact lookups (circuit.py)")
     parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=True,
-                        help="the structured init also wires the multi-hop lookup")  # fmt: skip
+                        help="the structured init also wires the multi-hop lookup")
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     data_rng = random.Random(args.seed + 2)
     # Short prompts first: the copying heads form sooner on 1-2 passages than on 3-6.
     short_generator = CorpusGenerator(args.seed + 1, min_passages=1,
-                                      max_passages=args.short_passages)  # fmt: skip
+                                      max_passages=args.short_passages)
     validating = CorpusGenerator(VALIDATION_SEED)
     validation = [validating.example(KINDS[i % 3]) for i in range(240)]
 
@@ -337,17 +337,17 @@ def main(argv: list[str] | None = None) -> None:
         elapsed_min = (time.monotonic() - started) / 60
         if step % 50 == 0:
             log.info("step %d loss %.4f lr %.2e %.1f min", step, running,
-                     chosen[0].param_groups[0]["lr"], elapsed_min)  # fmt: skip
+                     chosen[0].param_groups[0]["lr"], elapsed_min)
         last = step == args.steps - 1 or progress >= 1.0
         if (step + 1) % args.eval_every == 0 or last:
             accuracy = teacher_forced_accuracy(model, builder, validation)
             log.info("step %d validation exact match %s", step,
-                     {k: round(v, 3) for k, v in accuracy.items()})  # fmt: skip
+                     {k: round(v, 3) for k, v in accuracy.items()})
             save(model, tokenizer, args.out)
         if last:
             break
     log.info("done: %d steps in %.1f min; saved to %s", step + 1,
-             (time.monotonic() - started) / 60, args.out)  # fmt: skip
+             (time.monotonic() - started) / 60, args.out)
 
 
 if __name__ == "__main__":

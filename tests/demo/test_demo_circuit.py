@@ -31,7 +31,7 @@ def _fresh_model(tokenizer, seed: int = 0, circuit: bool = True, rope_theta: flo
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640,
                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=1024, tie_word_embeddings=True,
-                         rope_theta=rope_theta)  # fmt: skip
+                         rope_theta=rope_theta)
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("eager")
     if circuit:
@@ -63,7 +63,7 @@ def test_a_pronoun_fact_is_referent_offset_after_the_subject_of_the_passage_befo
     _, pronoun, question = PERSON_RELATIONS["color"]
     layout = builder.build(question.format(s=NAMES[0]), [
         PERSON_RELATIONS["job"][0].format(s=NAMES[0], v="baker"), pronoun.format(v="grey"),
-    ])  # fmt: skip
+    ])
     ids = list(layout.token_ids)
     value, subject = ids.index(encode(" grey")[0]), ids.index(encode(" " + NAMES[0])[0])
     assert value - subject == REFERENT_OFFSET
@@ -108,7 +108,7 @@ def _found(model, builder, kinds, layer: int, count: int = 60) -> float:
             p for p in values if ids[p] == tokenizer.encode(" " + example.answer)[0]
             and any(s <= p < s + n for k, (s, n) in enumerate(layout.chunk_spans)
                     if k in example.gold)
-        }  # fmt: skip
+        }
         weights = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
         weights = weights[layer][0, 0, -1]
         hits += max(values, key=lambda p: weights[p].item()) in gold

@@ -49,7 +49,7 @@ def test_full_prefill_answers_cacheblend_keeps_quality_and_full_reuse_loses_it(e
     full, blend, reuse = [], [], []
     for example in held_out(NUM_QUESTIONS):
         outcomes = answer(engine, example.question, example.answer, example.passages,
-                          [FULL, BLEND, REUSE], measure_deviation=False)  # fmt: skip
+                          [FULL, BLEND, REUSE], measure_deviation=False)
         for scores, outcome in zip((full, blend, reuse), outcomes, strict=True):
             scores.append(outcome.exact_match)
     full_em, blend_em, reuse_em = map(statistics.fmean, (full, blend, reuse))
@@ -71,7 +71,7 @@ def test_answers_questions_about_the_bundled_documents(engine):
     for q in questions:
         passages = [p for f in q.files for p in files[f].strip().split("\n\n")]
         outcome = answer(engine, q.question, q.answer, passages, [FULL],
-                         measure_deviation=False)[0]  # fmt: skip
+                         measure_deviation=False)[0]
         scores.append(outcome.exact_match)
     assert statistics.fmean(scores) >= DOCUMENTS_FLOOR
 
