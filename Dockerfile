@@ -23,12 +23,14 @@ RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY ragblend ragblend
+COPY common common
 COPY engine engine
 COPY kvstore kvstore
 COPY retriever retriever
 COPY gateway gateway
-# Installed in place: the bundled demo model and documents stay at /app/engine/demo.
-RUN pip install -e . && python -c "import engine, gateway, kvstore, retriever, ragblend"
+COPY demo demo
+# Installed in place: the bundled demo model and documents stay at /app/demo.
+RUN pip install -e . && python -c "import common, engine, gateway, kvstore, retriever, ragblend, demo"
 
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_VARIANT=cpu
@@ -54,7 +56,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     RAGBLEND_GATEWAY_HOST=0.0.0.0 \
     RAGBLEND_RETRIEVER_DATA_DIR=/data/retriever \
     RAGBLEND_ENGINE_STORE_PATH=/data/kv \
-    RAGBLEND_ENGINE_MODEL=/app/engine/demo/model
+    RAGBLEND_ENGINE_MODEL=/app/demo/model
 WORKDIR /app
 USER ragblend
 VOLUME ["/data", "/models"]

@@ -22,8 +22,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest
 
+# The checks CI runs before the tests: lint, formatting, and types of engine/, kvstore/, common/.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_ttft.py

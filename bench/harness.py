@@ -12,10 +12,10 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
+from demo.tiny import build_tokenizer, model_config
 from engine.engine import Engine
 from engine.model import LoadedModel, model_fingerprint, parse_dtype
 from engine.prompt import PromptLayout
-from engine.synthetic import build_tokenizer, model_config
 from kvstore.store import KVStore, KVStoreConfig
 
 SHAPES = {

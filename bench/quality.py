@@ -30,15 +30,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.demo import MODEL_DIR  # noqa: E402
-from engine.demo.corpus import (  # noqa: E402
+from demo import MODEL_DIR  # noqa: E402
+from demo.corpus import (  # noqa: E402
     KINDS,
     Example,
     held_out,
     is_pronoun_passage,
     named_rivals,
 )
-from engine.demo.evaluate import Config, Outcome, answer  # noqa: E402
+from demo.evaluate import Config, EvalResult, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
 
@@ -51,8 +51,19 @@ CONFIGS = (
     Config(Mode.FULL_REUSE),
     *(Config(Mode.CACHEBLEND, r) for r in RATIOS),
 )
-FIELDS = ["retrieval", "mode", "recompute_ratio", "kind", "questions", "exact_match", "f1",
-          "agreement", "gold_logprob", "kv_deviation", "ttft_ms"]  # fmt: skip
+FIELDS = [
+    "retrieval",
+    "mode",
+    "recompute_ratio",
+    "kind",
+    "questions",
+    "exact_match",
+    "f1",
+    "agreement",
+    "gold_logprob",
+    "kv_deviation",
+    "ttft_ms",
+]
 
 
 def documents(example: Example) -> list[str]:
@@ -80,8 +91,7 @@ def retrieved_passages(examples: list[Example], top_k: int) -> list[list[str]]:
             started = time.perf_counter()
             for text in texts:
                 service.ingest(DocumentInput(text))
-            log.info("ingested %d documents in %.1f s", len(texts),
-                     time.perf_counter() - started)  # fmt: skip
+            log.info("ingested %d documents in %.1f s", len(texts), time.perf_counter() - started)
             contexts = [[hit.text for hit in service.search(e.question, top_k)] for e in examples]
         finally:
             service.close()
@@ -89,30 +99,39 @@ def retrieved_passages(examples: list[Example], top_k: int) -> list[list[str]]:
     for example, context in zip(examples, contexts, strict=True):
         found = all(any(example.passages[g] in chunk for chunk in context) for g in example.gold)
         recall[example.kind].append(found)
-    log.info("retrieval recall@%d (all gold passages retrieved): %s", top_k,
-             {k: round(statistics.fmean(v), 3) for k, v in recall.items()})  # fmt: skip
+    log.info(
+        "retrieval recall@%d (all gold passages retrieved): %s",
+        top_k,
+        {k: round(statistics.fmean(v), 3) for k, v in recall.items()},
+    )
     return contexts
 
 
 def run(engine: Engine, examples: list[Example], contexts: list[list[str]], setting: str):
     """Per-question outcomes of every config."""
-    records: list[tuple[str, Example, Outcome, bool]] = []
+    records: list[tuple[str, Example, EvalResult, bool]] = []
     started = time.perf_counter()
     for i, (example, passages) in enumerate(zip(examples, contexts, strict=True)):
         outcomes = answer(engine, example.question, example.answer, passages, CONFIGS)
         assert outcomes[0].config.mode is Mode.FULL_PREFILL
         for outcome in outcomes:
             # Agreement: the same answer as full prefill, right or wrong.
-            records.append((setting, example, outcome,
-                            outcome.prediction == outcomes[0].prediction))  # fmt: skip
+            records.append(
+                (setting, example, outcome, outcome.prediction == outcomes[0].prediction)
+            )
         if (i + 1) % 50 == 0:
-            log.info("%s: %d/%d questions, %.0f s", setting, i + 1, len(examples),
-                     time.perf_counter() - started)  # fmt: skip
+            log.info(
+                "%s: %d/%d questions, %.0f s",
+                setting,
+                i + 1,
+                len(examples),
+                time.perf_counter() - started,
+            )
     return records
 
 
 def summarize(records) -> list[dict]:
-    groups: dict[tuple, list[Outcome]] = defaultdict(list)
+    groups: dict[tuple, list[EvalResult]] = defaultdict(list)
     agree: dict[tuple, list[bool]] = defaultdict(list)
     for setting, example, outcome, same in records:
         for kind in (example.kind, "all"):
@@ -120,19 +139,21 @@ def summarize(records) -> list[dict]:
             agree[(setting, outcome.config, kind)].append(same)
     rows = []
     for (setting, config, kind), outcomes in groups.items():
-        rows.append({
-            "retrieval": setting,
-            "mode": config.mode.value,
-            "recompute_ratio": "" if config.recompute_ratio is None else config.recompute_ratio,
-            "kind": kind,
-            "questions": len(outcomes),
-            "exact_match": round(statistics.fmean(o.exact_match for o in outcomes), 4),
-            "f1": round(statistics.fmean(o.f1 for o in outcomes), 4),
-            "agreement": round(statistics.fmean(agree[(setting, config, kind)]), 4),
-            "gold_logprob": round(statistics.fmean(o.gold_logprob for o in outcomes), 4),
-            "kv_deviation": round(statistics.fmean(o.kv_deviation for o in outcomes), 4),
-            "ttft_ms": round(1000 * statistics.median(o.ttft_s for o in outcomes), 2),
-        })  # fmt: skip
+        rows.append(
+            {
+                "retrieval": setting,
+                "mode": config.mode.value,
+                "recompute_ratio": "" if config.recompute_ratio is None else config.recompute_ratio,
+                "kind": kind,
+                "questions": len(outcomes),
+                "exact_match": round(statistics.fmean(o.exact_match for o in outcomes), 4),
+                "f1": round(statistics.fmean(o.f1 for o in outcomes), 4),
+                "agreement": round(statistics.fmean(agree[(setting, config, kind)]), 4),
+                "gold_logprob": round(statistics.fmean(o.gold_logprob for o in outcomes), 4),
+                "kv_deviation": round(statistics.fmean(o.kv_deviation for o in outcomes), 4),
+                "ttft_ms": round(1000 * statistics.median(o.ttft_s for o in outcomes), 2),
+            }
+        )
     return rows
 
 
@@ -144,9 +165,15 @@ def binding(records) -> list[dict]:
         full = outcome.config.mode is Mode.FULL_PREFILL
         if setting == "off" and example.kind == "single" and full:
             hits[named_rivals(example)].append(outcome.exact_match)
-    return [{"named_passages_with_relation": n, "questions": len(h),
-             "exact_match": round(statistics.fmean(h), 4), "chance": round(1 / n, 4)}
-            for n, h in sorted(hits.items())]  # fmt: skip
+    return [
+        {
+            "named_passages_with_relation": n,
+            "questions": len(h),
+            "exact_match": round(statistics.fmean(h), 4),
+            "chance": round(1 / n, 4),
+        }
+        for n, h in sorted(hits.items())
+    ]
 
 
 def label(row: dict) -> str:
@@ -158,20 +185,29 @@ def label(row: dict) -> str:
 def markdown_table(rows: list[dict], setting: str) -> str:
     """Rows: modes; columns: EM / F1 per kind, then KV deviation and TTFT over all kinds."""
     kinds = [*KINDS, "all"]
-    header = ("| mode | " + " | ".join(f"{k} EM / F1" for k in kinds)
-              + " | agree w/ full | gold log p | KV deviation | TTFT ms (median) |")  # fmt: skip
+    header = (
+        "| mode | "
+        + " | ".join(f"{k} EM / F1" for k in kinds)
+        + " | agree w/ full | gold log p | KV deviation | TTFT ms (median) |"
+    )
     lines = [header, "|" + "---|" * (len(kinds) + 5)]
     by = {(label(r), r["kind"]): r for r in rows if r["retrieval"] == setting}
     for config in CONFIGS:
         name = label({"mode": config.mode.value, "recompute_ratio": config.recompute_ratio})
         if (name, "all") not in by:
             continue
-        cells = [f"{by[(name, k)]['exact_match']:.3f} / {by[(name, k)]['f1']:.3f}"
-                 for k in kinds if (name, k) in by]  # fmt: skip
+        cells = [
+            f"{by[(name, k)]['exact_match']:.3f} / {by[(name, k)]['f1']:.3f}"
+            for k in kinds
+            if (name, k) in by
+        ]
         total = by[(name, "all")]
-        lines.append(f"| {name} | " + " | ".join(cells)
-                     + f" | {total['agreement']:.3f} | {total['gold_logprob']:.2f}"
-                     + f" | {total['kv_deviation']:.4f} | {total['ttft_ms']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {total['agreement']:.3f} | {total['gold_logprob']:.2f}"
+            + f" | {total['kv_deviation']:.4f} | {total['ttft_ms']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -187,9 +223,11 @@ def plot(rows: list[dict], docs_dir: Path) -> None:
         for kind, color in zip([*KINDS, "all"], ["C0", "C1", "C2", "k"], strict=True):
             pick = {label(r): r for r in rows if r["retrieval"] == setting and r["kind"] == kind}
             xs = [0.0, *RATIOS, 1.0]
-            ys = [pick["full_reuse"]["exact_match"],
-                  *(pick[f"cacheblend r={r:g}"]["exact_match"] for r in RATIOS),
-                  pick["full_prefill"]["exact_match"]]  # fmt: skip
+            ys = [
+                pick["full_reuse"]["exact_match"],
+                *(pick[f"cacheblend r={r:g}"]["exact_match"] for r in RATIOS),
+                pick["full_prefill"]["exact_match"],
+            ]
             ax.plot(xs, ys, "o-", color=color, label=kind, lw=2 if kind == "all" else 1.2)
         ax.set_xlabel("recompute ratio r (0 = full reuse, 1 = full prefill)")
         ax.set_ylabel("exact match")
@@ -206,10 +244,19 @@ def plot(rows: list[dict], docs_dir: Path) -> None:
     for setting, marker in (("off", "o"), ("on", "s")):
         pick = [r for r in rows if r["retrieval"] == setting and r["kind"] == "all"]
         for r in pick:
-            ax.scatter(r["ttft_ms"], r["f1"], marker=marker,
-                       color="C3" if r["mode"] != "cacheblend" else "C0")  # fmt: skip
-            ax.annotate(label(r), (r["ttft_ms"], r["f1"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+            ax.scatter(
+                r["ttft_ms"],
+                r["f1"],
+                marker=marker,
+                color="C3" if r["mode"] != "cacheblend" else "C0",
+            )
+            ax.annotate(
+                label(r),
+                (r["ttft_ms"], r["f1"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     ax.set_xlabel("median TTFT (ms, CPU, tiny model; o: retrieval off, s: on)")
     ax.set_ylabel("F1")
     ax.set_title("Demo model: TTFT vs. quality")
@@ -259,10 +306,14 @@ def main() -> None:
     print("\nsingle-hop, full prefill, retrieval off, by passages stating the asked relation\n")
     print("| passages | questions | exact match | chance (1/n) |\n|---|---|---|---|")
     for row in bound:
-        print(f"| {row['named_passages_with_relation']} | {row['questions']} "
-              f"| {row['exact_match']:.3f} | {row['chance']:.3f} |")  # fmt: skip
-    print(f"\nwrote {args.csv}, {args.docs / 'quality_vs_ratio.png'}, "
-          f"{args.docs / 'ttft_vs_quality.png'}")  # fmt: skip
+        print(
+            f"| {row['named_passages_with_relation']} | {row['questions']} "
+            f"| {row['exact_match']:.3f} | {row['chance']:.3f} |"
+        )
+    print(
+        f"\nwrote {args.csv}, {args.docs / 'quality_vs_ratio.png'}, "
+        f"{args.docs / 'ttft_vs_quality.png'}"
+    )
 
 
 if __name__ == "__main__":

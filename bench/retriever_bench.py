@@ -32,10 +32,37 @@ from retriever.settings import RetrieverSettings
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retriever.csv"
 WORDS = [
-    "river", "harbour", "granary", "ledger", "barley", "tower", "ferry", "lantern", "copper",
-    "market", "council", "winter", "storm", "survey", "station", "rainfall", "bridge", "mill",
-    "wheat", "salt", "herring", "merchant", "charter", "captain", "chemist", "alloy", "furnace",
-    "archive", "treaty", "border", "valley",
+    "river",
+    "harbour",
+    "granary",
+    "ledger",
+    "barley",
+    "tower",
+    "ferry",
+    "lantern",
+    "copper",
+    "market",
+    "council",
+    "winter",
+    "storm",
+    "survey",
+    "station",
+    "rainfall",
+    "bridge",
+    "mill",
+    "wheat",
+    "salt",
+    "herring",
+    "merchant",
+    "charter",
+    "captain",
+    "chemist",
+    "alloy",
+    "furnace",
+    "archive",
+    "treaty",
+    "border",
+    "valley",
 ]
 
 
@@ -74,39 +101,69 @@ def bench_ingest(args: argparse.Namespace, rows: list[dict]) -> tuple[np.ndarray
             if chunks >= args.ingest_chunks:
                 break
         elapsed = time.perf_counter() - started
-        rows.append(dict(step="ingest (service: chunk+embed+SQLite+index)", index="flat",
-                         chunks=chunks, value=round(chunks / elapsed, 1), unit="chunks/s"))
-        queries = [f"How many {w}s did the {v} of {u.capitalize()}{i} hold?"
-                   for i, (w, v, u) in enumerate(zip(WORDS, WORDS[3:], WORDS[7:], strict=False))]
+        rows.append(
+            dict(
+                step="ingest (service: chunk+embed+SQLite+index)",
+                index="flat",
+                chunks=chunks,
+                value=round(chunks / elapsed, 1),
+                unit="chunks/s",
+            )
+        )
+        queries = [
+            f"How many {w}s did the {v} of {u.capitalize()}{i} hold?"
+            for i, (w, v, u) in enumerate(zip(WORDS, WORDS[3:], WORDS[7:], strict=False))
+        ]
         latencies = []
         for q in queries * 3:
             t0 = time.perf_counter()
             service.search(q, 5)
             latencies.append(time.perf_counter() - t0)
         p50, p99 = percentiles_ms(latencies)
-        rows.append(dict(step="search (service: embed query+FAISS+SQLite)", index="flat",
-                         chunks=chunks, value=f"{p50:.1f} / {p99:.1f}", unit="ms p50 / p99"))
+        rows.append(
+            dict(
+                step="search (service: embed query+FAISS+SQLite)",
+                index="flat",
+                chunks=chunks,
+                value=f"{p50:.1f} / {p99:.1f}",
+                unit="ms p50 / p99",
+            )
+        )
         vectors = np.concatenate(
             [v for _, v in service.catalog.embeddings(None, service.embedder.info.dim)]
         )
         embedder = service.embedder
         service.close()
 
-    short = [t for d in corpus(args.embed_chunks // 5 + 1, 5, seed=2)
-             for t in d.split("\n\n")][:args.embed_chunks]
+    short = [t for d in corpus(args.embed_chunks // 5 + 1, 5, seed=2) for t in d.split("\n\n")][
+        : args.embed_chunks
+    ]
     t0 = time.perf_counter()
     embedder.encode(short)
-    rows.append(dict(step="embed only (MiniLM, <=256-token chunks, batch 32)", index="-",
-                     chunks=len(short), value=round(len(short) / (time.perf_counter() - t0), 1),
-                     unit="chunks/s"))
+    rows.append(
+        dict(
+            step="embed only (MiniLM, <=256-token chunks, batch 32)",
+            index="-",
+            chunks=len(short),
+            value=round(len(short) / (time.perf_counter() - t0), 1),
+            unit="chunks/s",
+        )
+    )
     latencies = []
     for q in queries * 3:
         t0 = time.perf_counter()
         embedder.encode([q])
         latencies.append(time.perf_counter() - t0)
     p50, p99 = percentiles_ms(latencies)
-    rows.append(dict(step="embed one query", index="-", chunks=1,
-                     value=f"{p50:.1f} / {p99:.1f}", unit="ms p50 / p99"))
+    rows.append(
+        dict(
+            step="embed one query",
+            index="-",
+            chunks=1,
+            value=f"{p50:.1f} / {p99:.1f}",
+            unit="ms p50 / p99",
+        )
+    )
     return vectors, embedder
 
 
@@ -133,7 +190,7 @@ def bench_index(args, base: np.ndarray, queries: np.ndarray, rows: list[dict]) -
             index = VectorIndex(IndexParams(kind=kind, dim=dim))
             t0 = time.perf_counter()
             for start in range(0, size, 10_000):
-                index.add(ids[start:start + 10_000], vectors[start:start + 10_000])
+                index.add(ids[start : start + 10_000], vectors[start : start + 10_000])
             build_s = time.perf_counter() - t0
             latencies, found = [], []
             for q in queries:
@@ -147,14 +204,42 @@ def bench_index(args, base: np.ndarray, queries: np.ndarray, rows: list[dict]) -
                 exact = found_arr
             pairs = zip(found_arr, exact, strict=True)
             recall = np.mean([len(set(a) & set(b)) / 5 for a, b in pairs])
-            rows.append(dict(step="index add", index=kind, chunks=size,
-                             value=round(size / build_s), unit="vectors/s"))
-            rows.append(dict(step="index search k=5 (FAISS)", index=kind, chunks=size,
-                             value=f"{p50:.2f} / {p99:.2f}", unit="ms p50 / p99"))
-            rows.append(dict(step="recall@5 vs flat", index=kind, chunks=size,
-                             value=round(float(recall), 3), unit="fraction"))
-            logging.info("%s %d: add %.1f s, search p50 %.2f ms p99 %.2f ms, recall %.3f",
-                         kind, size, build_s, p50, p99, recall)
+            rows.append(
+                dict(
+                    step="index add",
+                    index=kind,
+                    chunks=size,
+                    value=round(size / build_s),
+                    unit="vectors/s",
+                )
+            )
+            rows.append(
+                dict(
+                    step="index search k=5 (FAISS)",
+                    index=kind,
+                    chunks=size,
+                    value=f"{p50:.2f} / {p99:.2f}",
+                    unit="ms p50 / p99",
+                )
+            )
+            rows.append(
+                dict(
+                    step="recall@5 vs flat",
+                    index=kind,
+                    chunks=size,
+                    value=round(float(recall), 3),
+                    unit="fraction",
+                )
+            )
+            logging.info(
+                "%s %d: add %.1f s, search p50 %.2f ms p99 %.2f ms, recall %.3f",
+                kind,
+                size,
+                build_s,
+                p50,
+                p99,
+                recall,
+            )
 
 
 def main() -> None:

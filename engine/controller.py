@@ -11,6 +11,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+from engine.types import DEFAULT_RECOMPUTE_RATIO
+
 # Before anything was measured: conservative host-memory and SSD read speeds.
 DEFAULT_BANDWIDTH_BPS = {"memory": 8e9, "ssd": 1e9}
 _EWMA = 0.3
@@ -46,7 +48,7 @@ def decide(
 class Controller:
     """Keeps moving averages of load bandwidth per tier and compute time per token-layer."""
 
-    def __init__(self, min_ratio: float = 0.15, min_leading_layers: int = 1):
+    def __init__(self, min_ratio: float = DEFAULT_RECOMPUTE_RATIO, min_leading_layers: int = 1):
         self.min_ratio = min_ratio
         self.min_leading_layers = min_leading_layers
         self.bandwidth_bps = dict(DEFAULT_BANDWIDTH_BPS)

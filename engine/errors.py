@@ -1,4 +1,4 @@
-"""Named errors at the engine's edges; user mistakes are plain ValueErrors with a message."""
+"""Named errors at the engine's edges; a bad request is an InvalidRequestError with a message."""
 
 
 class ModelNotSupportedError(ValueError):
@@ -9,7 +9,11 @@ class ModelNotFoundError(ValueError):
     """No checkpoint at the given path, nor in the local Hugging Face cache."""
 
 
-class PromptTooLongError(ValueError):
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked (an empty question, a ratio outside [0, 1])."""
+
+
+class PromptTooLongError(InvalidRequestError):
     """The prompt plus max_tokens does not fit the model's positions."""
 
 

@@ -63,7 +63,8 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> Loaded
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation="sdpa"
     )
-    model.to(device).eval()
+    # transformers types `to` as taking the model itself; it takes a device like torch's.
+    model.to(device).eval()  # type: ignore[arg-type]
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
     fingerprint = model_fingerprint(model)

@@ -152,7 +152,7 @@ class Prefiller:
         while True:
             stream = self._open(layout, mode, keys, excluded)
             present = stream.present if stream is not None else [False] * len(keys)
-            tiers = stream.tiers if stream is not None else [None] * len(keys)
+            tiers: list[str | None] = stream.tiers if stream is not None else [None] * len(keys)
             try:
                 choice = self._choose(layout, mode, recompute_ratio, tiers, prefix_kv is not None)
                 # The controller's fallback is a true full prefill: with every position
@@ -172,7 +172,8 @@ class Prefiller:
                 )
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
-                excluded.add(exc.key)
+                # A failure not tied to one entry drops every streamed chunk.
+                excluded.update(keys if exc.key is None else [exc.key])
                 continue
             finally:
                 if stream is not None:

@@ -12,6 +12,9 @@ from functools import cached_property
 
 from jinja2 import TemplateError
 
+# The demo model (demo/) was trained on prompts with exactly this system prompt and instruction:
+# change either and its weights answer worse. tests/demo/test_demo_quality.py and
+# test_demo_train.py catch such a drift; retrain the demo (demo/README.md) when changing them.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 INSTRUCTION = "Answer the question using the passages below."
 CHUNK_SEPARATOR = "\n\n"

@@ -52,7 +52,8 @@ class Scheduler:
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The sequences of the next step and whether it is a prefill step."""
         if self.waiting and self.slots.num_free and not (self.running and self._last_was_prefill):
-            batch, budget = [], self.max_prefill_tokens
+            batch: list[Sequence] = []
+            budget = self.max_prefill_tokens
             while self.waiting and self.slots.num_free:
                 seq = self.waiting[0]
                 if batch and seq.num_prompt_tokens > budget:

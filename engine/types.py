@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from engine.errors import InvalidRequestError
+
 
 class Mode(StrEnum):
     CACHEBLEND = "cacheblend"
@@ -22,7 +24,9 @@ class Mode(StrEnum):
             return cls(value)
         except ValueError:
             expected = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown mode {value!r}; expected one of {expected}") from None
+            raise InvalidRequestError(
+                f"unknown mode {value!r}; expected one of {expected}"
+            ) from None
 
 
 DEFAULT_RECOMPUTE_RATIO = 0.15
@@ -57,18 +61,18 @@ class GenerateRequest:
         object.__setattr__(self, "chunks", tuple(self.chunks))
         object.__setattr__(self, "stop", tuple(self.stop))
         if not self.question.strip():
-            raise ValueError("question must not be empty")
+            raise InvalidRequestError("question must not be empty")
         ratio = self.recompute_ratio
         if ratio is not None and not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
-            raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
+            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise InvalidRequestError("stop strings must not be empty")
 
 
 @dataclass

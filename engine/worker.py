@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import functools
 import logging
 import threading
 import time
@@ -53,12 +52,12 @@ class Worker:
         """Queue `fn` as background work; its Future gets the result or the exception."""
         future: Future = Future()
         # The worker runs `fn` in the caller's context: its log lines keep the request id.
-        run = functools.partial(contextvars.copy_context().run, fn)
+        context = contextvars.copy_context()
 
         def task() -> None:
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(run())
+                    future.set_result(context.run(fn))
                 except BaseException as exc:  # handed to whoever waits on the future
                     future.set_exception(exc)
 

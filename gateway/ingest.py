@@ -72,8 +72,10 @@ class IngestTracker:
             document = await self.retriever.get_document(status.doc_id, request_id=request_id)
             chunks = [{"id": c["chunk_id"], "text": c["text"]} for c in document["chunks"]]
             results = await asyncio.gather(
-                *(self.engines.precompute(url, chunks, request_id=request_id)
-                  for url in self.engines.urls),
+                *(
+                    self.engines.precompute(url, chunks, request_id=request_id)
+                    for url in self.engines.urls
+                ),
                 return_exceptions=True,
             )
         except GatewayDependencyError as exc:
@@ -98,5 +100,4 @@ class IngestTracker:
     def _finish(self, status: IngestStatus, state: str, error: str | None) -> None:
         status.status, status.error = state, error
         self.metrics.documents.labels(state).inc()
-        log.info("document %s precompute %s%s", status.doc_id, state,
-                 f": {error}" if error else "")
+        log.info("document %s precompute %s%s", status.doc_id, state, f": {error}" if error else "")

@@ -15,54 +15,77 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "ragblend_gateway_requests", "HTTP requests finished, by route, method and status",
-            ["route", "method", "status"], registry=r,
+            "ragblend_gateway_requests",
+            "HTTP requests finished, by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
         )
         self.request_seconds = Histogram(
             "ragblend_gateway_request_duration_seconds",
             "HTTP request latency until the last byte, by route, method and status",
-            ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=r,
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge(
-            "ragblend_gateway_in_flight_requests", "Query requests being served (all routes "
-            "that generate), the quantity bounded by max_concurrency", registry=r,
+            "ragblend_gateway_in_flight_requests",
+            "Query requests being served (all routes "
+            "that generate), the quantity bounded by max_concurrency",
+            registry=r,
         )
         self.rejected = Counter(
-            "ragblend_gateway_rejected_requests", "Query requests refused with 429 because "
-            "max_concurrency were in flight", registry=r,
+            "ragblend_gateway_rejected_requests",
+            "Query requests refused with 429 because max_concurrency were in flight",
+            registry=r,
         )
         self.ttft = Histogram(
             "ragblend_gateway_ttft_seconds",
             "Time from the request's arrival to its first answer token, by mode",
-            ["mode"], buckets=LATENCY_BUCKETS, registry=r,
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.retrieval_seconds = Histogram(
-            "ragblend_gateway_retrieval_duration_seconds", "Retriever search latency",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "ragblend_gateway_retrieval_duration_seconds",
+            "Retriever search latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.engine_seconds = Histogram(
             "ragblend_gateway_engine_duration_seconds",
             "Engine generation latency (request sent to result received), by mode",
-            ["mode"], buckets=LATENCY_BUCKETS, registry=r,
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.engine_requests = Counter(
-            "ragblend_gateway_engine_requests", "Generations sent to each engine of the pool",
-            ["engine"], registry=r,
+            "ragblend_gateway_engine_requests",
+            "Generations sent to each engine of the pool",
+            ["engine"],
+            registry=r,
         )
         self.tokens = Counter(
-            "ragblend_gateway_tokens", "Tokens of finished generations, by kind (prompt, "
-            "completion, cached = reused chunk KV, recomputed)", ["kind", "mode"], registry=r,
+            "ragblend_gateway_tokens",
+            "Tokens of finished generations, by kind (prompt, "
+            "completion, cached = reused chunk KV, recomputed)",
+            ["kind", "mode"],
+            registry=r,
         )
         self.upstream_errors = Counter(
-            "ragblend_gateway_upstream_errors", "Failed calls to a dependency, by dependency "
-            "and kind (unavailable, busy, rejected, failed)", ["dependency", "kind"], registry=r,
+            "ragblend_gateway_upstream_errors",
+            "Failed calls to a dependency, by dependency "
+            "and kind (unavailable, busy, rejected, failed)",
+            ["dependency", "kind"],
+            registry=r,
         )
         for dependency in ("retriever", "engine"):  # zero series, so dashboards show 0 errors
             for kind in ("unavailable", "busy", "rejected", "failed"):
                 self.upstream_errors.labels(dependency, kind)
         self.documents = Counter(
-            "ragblend_gateway_documents", "Documents ingested, by final precompute status",
-            ["status"], registry=r,
+            "ragblend_gateway_documents",
+            "Documents ingested, by final precompute status",
+            ["status"],
+            registry=r,
         )
 
     def upstream_error(self, dependency: str, kind: str) -> None:

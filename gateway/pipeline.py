@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from gateway.clients.engine import EnginePool, EngineStream
 from gateway.clients.retriever import RetrieverClient
 from gateway.metrics import GatewayMetrics
-from gateway.types import Delta, Generation, Outcome, Source
+from gateway.types import Delta, EngineRequest, EngineResult, Source
 
 
 class TimedStream:
@@ -18,7 +18,10 @@ class TimedStream:
     arrival) and the generation's usage once the result arrives."""
 
     def __init__(
-        self, stream: EngineStream, generation: Generation, metrics: GatewayMetrics,
+        self,
+        stream: EngineStream,
+        generation: EngineRequest,
+        metrics: GatewayMetrics,
         arrived_at: float,
     ):
         self.stream = stream
@@ -32,23 +35,23 @@ class TimedStream:
     def engine_url(self) -> str:
         return self.stream.url
 
-    async def events(self) -> AsyncIterator[Delta | Outcome]:
+    async def events(self) -> AsyncIterator[Delta | EngineResult]:
         async for event in self.stream.events():
             now = time.perf_counter()
-            if self.ttft_s is None and (isinstance(event, Outcome) or event.text):
+            if self.ttft_s is None and (isinstance(event, EngineResult) or event.text):
                 self.ttft_s = now - self.arrived_at
                 self.metrics.ttft.labels(self.generation.mode).observe(self.ttft_s)
-            if isinstance(event, Outcome):
+            if isinstance(event, EngineResult):
                 self.metrics.observe_generation(
                     self.generation.mode, event.usage, now - self.sent_at
                 )
             yield event
 
-    async def collect(self) -> Outcome:
+    async def collect(self) -> EngineResult:
         async for event in self.events():
-            if isinstance(event, Outcome):
+            if isinstance(event, EngineResult):
                 return event
-        raise AssertionError("EngineStream.events ends with an Outcome or raises")
+        raise AssertionError("EngineStream.events ends with an EngineResult or raises")
 
 
 class Pipeline:
@@ -69,7 +72,7 @@ class Pipeline:
 
     @asynccontextmanager
     async def generate(
-        self, generation: Generation, *, request_id: str, arrived_at: float
+        self, generation: EngineRequest, *, request_id: str, arrived_at: float
     ) -> AsyncIterator[TimedStream]:
         """An open engine stream; leaving the context early cancels the engine's work."""
         async with self.engines.generate(generation, request_id=request_id) as stream:

@@ -1,5 +1,5 @@
-"""Settings of the gateway service: `RAGBLEND_GATEWAY_*` environment variables or CLI flags,
-validated when the class is built."""
+"""Settings of the gateway service: `RAGBLEND_GATEWAY_*` environment variables or the CLI flags
+derived from them, validated when the class is built."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ class GatewaySettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     retriever_url: str = "http://127.0.0.1:8001"
     # NoDecode: the env var may be a comma-separated list as well as JSON.
-    engine_urls: Annotated[list[str], NoDecode] = ["http://127.0.0.1:8002"]
+    engine_urls: Annotated[list[str], NoDecode] = Field(
+        ["http://127.0.0.1:8002"], description="engine URLs (rendezvous-hashed by chunk set)"
+    )
     max_concurrency: int = Field(64, ge=1, description="queries in flight; beyond: 429")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with a 429")
     connect_timeout_s: float = Field(2.0, gt=0)

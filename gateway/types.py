@@ -15,7 +15,7 @@ class Source:
 
 
 @dataclass(frozen=True)
-class Generation:
+class EngineRequest:
     """What the gateway asks the engine for; `question` is the user's text, the chunks come
     from retrieval."""
 
@@ -64,7 +64,7 @@ class Delta:
 
 
 @dataclass
-class Outcome:
+class EngineResult:
     """The engine's final result event, plus which engine served it."""
 
     text: str

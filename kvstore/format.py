@@ -103,9 +103,17 @@ def build_header(key: str, model_fingerprint: str, kv: ChunkKV) -> tuple[EntryHe
     fingerprint_raw, key_raw = model_fingerprint.encode(), key.encode("ascii")
     body = bytearray(
         _FIXED.pack(
-            MAGIC, FORMAT_VERSION, 0, num_layers, num_kv_heads, num_tokens, head_dim,
-            _padded_ascii(_DTYPE_NAMES[kv.keys.dtype], 16), _padded_ascii(POSITIONS, 16),
-            len(fingerprint_raw), len(key_raw),
+            MAGIC,
+            FORMAT_VERSION,
+            0,
+            num_layers,
+            num_kv_heads,
+            num_tokens,
+            head_dim,
+            _padded_ascii(_DTYPE_NAMES[kv.keys.dtype], 16),
+            _padded_ascii(POSITIONS, 16),
+            len(fingerprint_raw),
+            len(key_raw),
         )
     )
     body += fingerprint_raw + key_raw + b"".join(_U64.pack(c) for c in checksums)
@@ -113,9 +121,15 @@ def build_header(key: str, model_fingerprint: str, kv: ChunkKV) -> tuple[EntryHe
     body[12:16] = struct.pack("<I", data_offset)  # known only now, and covered by the checksum
     body += _U64.pack(xxhash.xxh3_64_intdigest(bytes(body)))
     header = EntryHeader(
-        key=key, model_fingerprint=model_fingerprint, dtype=kv.keys.dtype,
-        num_layers=num_layers, num_kv_heads=num_kv_heads, num_tokens=num_tokens,
-        head_dim=head_dim, positions=POSITIONS, layer_checksums=checksums,
+        key=key,
+        model_fingerprint=model_fingerprint,
+        dtype=kv.keys.dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        num_tokens=num_tokens,
+        head_dim=head_dim,
+        positions=POSITIONS,
+        layer_checksums=checksums,
         data_offset=data_offset,
     )
     return header, bytes(body.ljust(data_offset, b"\0"))
@@ -162,8 +176,19 @@ def parse_header(block: bytes | memoryview, model_fingerprint: str, key: str) ->
     data_offset = header_size(block)
     if len(block) < data_offset:
         raise KVCorruptError(f"header truncated to {len(block)} of {data_offset} bytes")
-    (_, _, _, num_layers, num_kv_heads, num_tokens, head_dim, dtype_raw, positions_raw,
-     fingerprint_len, key_len) = _FIXED.unpack_from(block)
+    (
+        _,
+        _,
+        _,
+        num_layers,
+        num_kv_heads,
+        num_tokens,
+        head_dim,
+        dtype_raw,
+        positions_raw,
+        fingerprint_len,
+        key_len,
+    ) = _FIXED.unpack_from(block)
     checksums_at = _FIXED.size + fingerprint_len + key_len
     checksum_at = checksums_at + _U64.size * num_layers
     if checksum_at + _U64.size > data_offset:
@@ -189,9 +214,15 @@ def parse_header(block: bytes | memoryview, model_fingerprint: str, key: str) ->
         _U64.unpack_from(block, checksums_at + _U64.size * i)[0] for i in range(num_layers)
     )
     return EntryHeader(
-        key=key, model_fingerprint=fingerprint, dtype=_DTYPES[dtype_name],
-        num_layers=num_layers, num_kv_heads=num_kv_heads, num_tokens=num_tokens,
-        head_dim=head_dim, positions=positions, layer_checksums=checksums,
+        key=key,
+        model_fingerprint=fingerprint,
+        dtype=_DTYPES[dtype_name],
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        num_tokens=num_tokens,
+        head_dim=head_dim,
+        positions=positions,
+        layer_checksums=checksums,
         data_offset=data_offset,
     )
 

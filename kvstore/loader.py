@@ -215,14 +215,13 @@ class KVLayerStream:
                 return
             pairs, layer_bytes = [], 0
             for source in self._sources:
-                read_start_s = time.perf_counter()
                 try:
                     k, v = source.read_layer(i)
                 except (KVEntryError, OSError) as exc:
                     message = f"layer {i} of {source.key}: {exc}"
                     self._fail(KVStreamError(message, i, source.key), exc)
                     return
-                self._count(source.tier, k.nbytes + v.nbytes, time.perf_counter() - read_start_s)
+                self._count(source.tier, k.nbytes + v.nbytes)
                 layer_bytes += k.nbytes + v.nbytes
                 pairs.append((k, v))
             event = None
@@ -264,8 +263,9 @@ class KVLayerStream:
             return host_pairs
         nbytes = sum(t.nbytes for t in pageable)  # the same for every layer of this stream
         if not self._ring:
-            self._ring = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                          for _ in range(RING_SLOTS)]
+            self._ring = [
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(RING_SLOTS)
+            ]
         previous = self._slot_events[slot]
         if previous is not None:
             previous.synchronize()  # the copy that last read this slot is done
@@ -283,10 +283,9 @@ class KVLayerStream:
             staged.append((pair[0], pair[1]))
         return staged
 
-    def _count(self, tier: str, nbytes: int, seconds: float) -> None:
+    def _count(self, tier: str, nbytes: int) -> None:
         stats = self.stats
         stats.bytes_by_tier[tier] = stats.bytes_by_tier.get(tier, 0) + nbytes
-        stats.load_s_by_tier[tier] = stats.load_s_by_tier.get(tier, 0.0) + seconds
 
     def _fail(self, error: KVStreamError, cause: BaseException) -> None:
         logger.warning("KV stream failed at layer %d: %s", error.layer, error)

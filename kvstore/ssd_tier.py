@@ -328,7 +328,10 @@ class SSDTier:
             evicted = self._evict_to_budget()
         logger.info(
             "SSD tier %s: %d entries, %d bytes (%d evicted to fit the budget)",
-            self.path, len(self._index), self._bytes, len(evicted),
+            self.path,
+            len(self._index),
+            self._bytes,
+            len(evicted),
         )
 
     def _scan(self, report: CheckReport) -> dict[str, tuple[int, int]]:

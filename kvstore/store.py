@@ -60,8 +60,9 @@ class KVStore:
         self.config = config
         self.memory = MemoryTier(config.memory_budget_bytes, config.pin_memory)
         self.ssd = (
-            SSDTier(config.ssd_path, config.ssd_budget_bytes, config.model_fingerprint,
-                    config.direct_io)
+            SSDTier(
+                config.ssd_path, config.ssd_budget_bytes, config.model_fingerprint, config.direct_io
+            )
             if config.ssd_path is not None
             else None
         )
@@ -86,16 +87,6 @@ class KVStore:
             else:
                 tiers.append(None)
         return tiers
-
-    def get(self, key: str) -> ChunkKV | None:
-        """The whole entry (host tensors), or None on a miss; an SSD hit is promoted to memory.
-        A bad SSD entry is a miss (logged, counted, deleted); nothing is raised."""
-        kv = self.memory.get(key)
-        if kv is None and self.ssd is not None:
-            kv = self.ssd.get(key)
-            if kv is not None:
-                self.memory.put(key, kv)
-        return kv
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """Store `kv` in memory now and on SSD in the background (see flush()). The store keeps

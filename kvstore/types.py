@@ -67,7 +67,6 @@ class StreamStats:
     """What one stream read, by tier."""
 
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
-    load_s_by_tier: dict[str, float] = field(default_factory=dict)
 
 
 class LayerStream(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from ragblend.request_id import configure_logging
+from common.request_id import configure_logging
 
 SUBCOMMAND_MODULES = (
     "engine.cli",

@@ -34,18 +34,23 @@ class Child:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "up", help="start retriever, engine and gateway on localhost",
+        "up",
+        help="start retriever, engine and gateway on localhost",
         description=__doc__.splitlines()[0],
     )
-    parser.add_argument("--model", help="engine checkpoint (default: RAGBLEND_ENGINE_MODEL, "
-                        "else the bundled demo model)")
-    parser.add_argument("--data-dir", default="data", help="retriever index and KV store "
-                        "(default ./data)")
+    parser.add_argument(
+        "--model",
+        help="engine checkpoint (default: RAGBLEND_ENGINE_MODEL, else the bundled demo model)",
+    )
+    parser.add_argument(
+        "--data-dir", default="data", help="retriever index and KV store (default ./data)"
+    )
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--retriever-port", type=int, default=8001)
     parser.add_argument("--engine-port", type=int, default=8002)
-    parser.add_argument("--documents", help="folder ingested on first start (default: the "
-                        "bundled sample documents)")
+    parser.add_argument(
+        "--documents", help="folder ingested on first start (default: the bundled sample documents)"
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
     parser.set_defaults(run=run)
 
@@ -54,7 +59,7 @@ def resolve_model(explicit: str | None) -> str:
     model = explicit or os.environ.get("RAGBLEND_ENGINE_MODEL")
     if model:
         return model
-    from engine.demo import MODEL_DIR
+    from demo import MODEL_DIR
 
     if (MODEL_DIR / "config.json").is_file():
         return str(MODEL_DIR)
@@ -78,8 +83,19 @@ def check_port_free(name: str, port: int) -> None:
 
 
 def start(name: str, port: int, args: list[str], log_level: str) -> Child:
-    cmd = [sys.executable, "-m", "ragblend", "--log-level", log_level, name,
-           "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ragblend",
+        "--log-level",
+        log_level,
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     # Own process group: a Ctrl-C in the terminal reaches only us, and we stop the children
     # in order instead of all at once.
     proc = subprocess.Popen(cmd, start_new_session=True)
@@ -131,13 +147,19 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
                 failed += 1
                 print(f"  {path.name}: {exc}", file=sys.stderr)
                 continue
-            response = client.post("/v1/documents", json={
-                "text": extracted.text, "metadata": {**extracted.metadata, "source": path.name},
-            })
+            response = client.post(
+                "/v1/documents",
+                json={
+                    "text": extracted.text,
+                    "metadata": {**extracted.metadata, "source": path.name},
+                },
+            )
             if response.status_code != 200:
                 failed += 1
-                print(f"  {path.name}: HTTP {response.status_code} {response.text[:200]}",
-                      file=sys.stderr)
+                print(
+                    f"  {path.name}: HTTP {response.status_code} {response.text[:200]}",
+                    file=sys.stderr,
+                )
         if failed:
             print(f"{failed} of {len(files)} sample documents failed", file=sys.stderr)
 
@@ -154,8 +176,10 @@ def stop_all(children: list[Child]) -> None:
         try:
             child.proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            print(f"the {child.name} did not stop in {STOP_TIMEOUT_S:.0f} s; killing it",
-                  file=sys.stderr)
+            print(
+                f"the {child.name} did not stop in {STOP_TIMEOUT_S:.0f} s; killing it",
+                file=sys.stderr,
+            )
             child.proc.kill()
             child.proc.wait()
 
@@ -170,8 +194,11 @@ def _raise_stop(signum, _frame) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir).resolve()
-    ports = {"gateway": args.gateway_port, "retriever": args.retriever_port,
-             "engine": args.engine_port}
+    ports = {
+        "gateway": args.gateway_port,
+        "retriever": args.retriever_port,
+        "engine": args.engine_port,
+    }
     children: list[Child] = []
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -181,14 +208,38 @@ def run(args: argparse.Namespace) -> int:
             check_port_free(name, port)
         level = args.log_level
         # Chunks are sized in the model's own tokens, so top_k of them fit its context.
-        children.append(start("retriever", ports["retriever"], [
-            "--data-dir", str(data_dir / "retriever"), "--tokenizer", model,
-        ], level))
-        children.append(start("engine", ports["engine"],
-                              ["--model", model, "--store-path", str(data_dir / "kv")], level))
-        gateway = start("gateway", ports["gateway"], [
-            "--retriever-url", children[0].url, "--engine-urls", children[1].url,
-        ], level)
+        children.append(
+            start(
+                "retriever",
+                ports["retriever"],
+                [
+                    "--data-dir",
+                    str(data_dir / "retriever"),
+                    "--tokenizer",
+                    model,
+                ],
+                level,
+            )
+        )
+        children.append(
+            start(
+                "engine",
+                ports["engine"],
+                ["--model", model, "--store-path", str(data_dir / "kv")],
+                level,
+            )
+        )
+        gateway = start(
+            "gateway",
+            ports["gateway"],
+            [
+                "--retriever-url",
+                children[0].url,
+                "--engine-urls",
+                children[1].url,
+            ],
+            level,
+        )
         children.append(gateway)
         wait_ready(children, gateway, args.ready_timeout_s)
         documents = Path(args.documents) if args.documents else _demo_documents()
@@ -209,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo_documents() -> Path | None:
-    from engine.demo import DOCUMENTS_DIR
+    from demo import DOCUMENTS_DIR
 
     return DOCUMENTS_DIR
 

@@ -157,7 +157,8 @@ class Catalog:
         with self._connect() as conn:
             row = conn.execute(
                 "SELECT doc_id, content_sha256, metadata, num_chars, num_chunks, num_tokens,"
-                " created_at FROM documents WHERE doc_id = ?", (doc_id,),
+                " created_at FROM documents WHERE doc_id = ?",
+                (doc_id,),
             ).fetchone()
         return _document(row) if row else None
 
@@ -174,14 +175,16 @@ class Catalog:
         with self._connect() as conn:
             rows = conn.execute(
                 "SELECT chunk_id, position, text, num_tokens, start_char, end_char FROM chunks"
-                " WHERE doc_id = ? ORDER BY position", (doc_id,),
+                " WHERE doc_id = ? ORDER BY position",
+                (doc_id,),
             ).fetchall()
         return [ChunkRecord(*row) for row in rows]
 
     def missing_documents(self, doc_ids: Sequence[str]) -> list[str]:
         with self._connect() as conn:
             return [
-                d for d in doc_ids
+                d
+                for d in doc_ids
                 if conn.execute("SELECT 1 FROM documents WHERE doc_id = ?", (d,)).fetchone() is None
             ]
 
@@ -216,7 +219,7 @@ class Catalog:
                 return
             ids = [int(i) for i in rowids]
             for start in range(0, len(ids), 500):
-                part = ids[start:start + 500]
+                part = ids[start : start + 500]
                 marks = ",".join("?" * len(part))
                 rows = conn.execute(
                     f"SELECT id, embedding FROM chunks WHERE id IN ({marks})", part
@@ -253,16 +256,31 @@ class Catalog:
             removed = _delete(conn, doc_id)
             conn.execute(
                 "INSERT INTO documents VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (doc_id, content_sha256, json.dumps(metadata), num_chars, len(chunks),
-                 sum(c.num_tokens for c in chunks), time.time()),
+                (
+                    doc_id,
+                    content_sha256,
+                    json.dumps(metadata),
+                    num_chars,
+                    len(chunks),
+                    sum(c.num_tokens for c in chunks),
+                    time.time(),
+                ),
             )
             added = []
             for chunk, vector in zip(chunks, vectors, strict=True):
                 cursor = conn.execute(
                     "INSERT INTO chunks (doc_id, position, chunk_id, text, num_tokens,"
                     " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (doc_id, chunk.position, chunk.chunk_id, chunk.text, chunk.num_tokens,
-                     chunk.start_char, chunk.end_char, vector.tobytes()),
+                    (
+                        doc_id,
+                        chunk.position,
+                        chunk.chunk_id,
+                        chunk.text,
+                        chunk.num_tokens,
+                        chunk.start_char,
+                        chunk.end_char,
+                        vector.tobytes(),
+                    ),
                 )
                 added.append(cursor.lastrowid)
             generation = self._bump_generation(conn)

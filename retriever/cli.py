@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragblend.serving import serve, settings_from_args
+from common.serving import add_settings_flags, serve, settings_from_args
+from retriever.settings import RetrieverSettings
 
 logger = logging.getLogger(__name__)
 
@@ -22,21 +23,15 @@ RETRIEVER_URL = "http://127.0.0.1:8001"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     service = subparsers.add_parser("retriever", help="run the retriever service")
-    service.add_argument("--host", help="bind address (default 127.0.0.1)")
-    service.add_argument("--port", type=int, help="port (default 8001)")
-    service.add_argument("--data-dir", help="catalog and index folder (default ./data/retriever)")
-    service.add_argument("--embedding-model", help="sentence-transformers model name or path")
-    service.add_argument("--tokenizer", help="LLM tokenizer (path or hub id) used for chunking")
-    service.add_argument("--chunk-tokens", type=int, help="tokens per chunk (default 512)")
-    service.add_argument("--index", choices=("flat", "hnsw"), help="FAISS index kind")
-    service.add_argument("--max-top-k", type=int, help="largest top_k a search may ask for")
+    add_settings_flags(service, RetrieverSettings)
     service.set_defaults(run=run_retriever)
 
     ingest = subparsers.add_parser("ingest", help="ingest files or folders (recursively)")
     ingest.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
     ingest.add_argument(
-        "--url", help=f"service to post to (default: the gateway {GATEWAY_URL} if its /health "
-                      f"answers, else the retriever {RETRIEVER_URL})",
+        "--url",
+        help=f"service to post to (default: the gateway {GATEWAY_URL} if its /health "
+        f"answers, else the retriever {RETRIEVER_URL})",
     )
     ingest.add_argument("--metadata", default="{}", help="JSON object added to every document")
     ingest.add_argument("--timeout", type=float, default=600.0, help="seconds per document")
@@ -45,7 +40,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_retriever(args: argparse.Namespace) -> int:
     from retriever.api.main import create_app
-    from retriever.settings import RetrieverSettings
 
     settings = settings_from_args(RetrieverSettings, args, "retriever")
     return serve(create_app, settings, args, access_log=False)
@@ -62,8 +56,11 @@ class IngestSummary:
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     def render(self) -> str:
-        lines = [f"documents: {self.documents}", f"chunks: {self.chunks}",
-                 f"skipped: {sum(self.skipped.values())}"]
+        lines = [
+            f"documents: {self.documents}",
+            f"chunks: {self.chunks}",
+            f"skipped: {sum(self.skipped.values())}",
+        ]
         lines += [f"  {count} {reason}" for reason, count in sorted(self.skipped.items())]
         lines.append(f"failed: {len(self.failed)}")
         lines += [f"  {path}: {reason}" for path, reason in self.failed]

@@ -62,7 +62,8 @@ class Embedder:
             self._model.get_sentence_embedding_dimension
         )
         self.info = EmbedderInfo(
-            model=model or "all-MiniLM-L6-v2", dim=int(get_dim()),
+            model=model or "all-MiniLM-L6-v2",
+            dim=int(get_dim()),
             max_seq_tokens=int(self._model.max_seq_length),
         )
         # A private tokenizer finds where long texts must be split (see `encode`).
@@ -88,8 +89,10 @@ class Embedder:
         if len(spans) <= limit:
             return [(text, max(1, len(spans)))]
         return [
-            (text[spans[i][0]:spans[min(i + limit, len(spans)) - 1][1]],
-             min(limit, len(spans) - i))
+            (
+                text[spans[i][0] : spans[min(i + limit, len(spans)) - 1][1]],
+                min(limit, len(spans) - i),
+            )
             for i in range(0, len(spans), limit)
         ]
 
@@ -104,17 +107,23 @@ class Embedder:
             return np.zeros((0, self.info.dim), dtype=np.float32)
         windows = [self._windows(t) for t in texts]
         flat = [piece for pieces in windows for piece, _ in pieces]
-        vectors = np.asarray(self._model.encode(
-            flat, batch_size=self.batch_size, normalize_embeddings=True,
-            convert_to_numpy=True, show_progress_bar=False,
-        ), dtype=np.float32)
+        vectors = np.asarray(
+            self._model.encode(
+                flat,
+                batch_size=self.batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            ),
+            dtype=np.float32,
+        )
         if len(flat) == len(texts):
             return np.ascontiguousarray(vectors)
         out = np.empty((len(texts), self.info.dim), dtype=np.float32)
         row = 0
         for i, pieces in enumerate(windows):
             weights = np.asarray([n for _, n in pieces], dtype=np.float32)[:, None]
-            mean = (vectors[row:row + len(pieces)] * weights).sum(axis=0)
+            mean = (vectors[row : row + len(pieces)] * weights).sum(axis=0)
             out[i] = mean / max(float(np.linalg.norm(mean)), 1e-12)
             row += len(pieces)
         return out

@@ -14,9 +14,35 @@ SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf")
 _INVISIBLE_TAGS = ("script", "style", "noscript", "template", "head")
 # Block-level tags end a paragraph, so that chunking can break between them.
 _BLOCK_TAGS = (
-    "p", "div", "section", "article", "header", "footer", "aside", "nav", "main",
-    "h1", "h2", "h3", "h4", "h5", "h6", "li", "ul", "ol", "dl", "dt", "dd",
-    "table", "tr", "pre", "blockquote", "figure", "figcaption", "hr", "form",
+    "p",
+    "div",
+    "section",
+    "article",
+    "header",
+    "footer",
+    "aside",
+    "nav",
+    "main",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "li",
+    "ul",
+    "ol",
+    "dl",
+    "dt",
+    "dd",
+    "table",
+    "tr",
+    "pre",
+    "blockquote",
+    "figure",
+    "figcaption",
+    "hr",
+    "form",
 )
 
 
@@ -44,7 +70,7 @@ def _decode_utf8(data: bytes, filename: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ExtractionError(
-            f"{filename} is not valid UTF-8 (byte {exc.start}: {data[exc.start:exc.start + 1]!r})"
+            f"{filename} is not valid UTF-8 (byte {exc.start}: {data[exc.start : exc.start + 1]!r})"
         ) from exc
 
 

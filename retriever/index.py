@@ -129,8 +129,11 @@ class VectorIndex:
         `allowed_ids` restricts the search to those ids (a doc_ids filter).
         """
         queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.params.dim)
-        if (self.params.kind == "hnsw" and allowed_ids is not None
-                and len(allowed_ids) <= EXACT_FILTER_MAX_IDS):
+        if (
+            self.params.kind == "hnsw"
+            and allowed_ids is not None
+            and len(allowed_ids) <= EXACT_FILTER_MAX_IDS
+        ):
             return self._search_exact(queries, k, allowed_ids)
         # The selectors must outlive the search call: FAISS keeps raw pointers to them.
         selector = None
@@ -179,10 +182,14 @@ class VectorIndex:
         """The index and the catalog generation it reflects, in the file format."""
         with self._lock.read():
             body = faiss.serialize_index(self._index)
-            header = json.dumps({
-                "generation": generation, "kind": self.params.kind, "dim": self.params.dim,
-                "tombstones": sorted(self._tombstones),
-            }).encode()
+            header = json.dumps(
+                {
+                    "generation": generation,
+                    "kind": self.params.kind,
+                    "dim": self.params.dim,
+                    "tombstones": sorted(self._tombstones),
+                }
+            ).encode()
         return _MAGIC + struct.pack("<Q", len(header)) + header + body.tobytes()
 
     def save(self, path: Path, generation: int) -> None:
@@ -218,10 +225,16 @@ def load_index(path: Path, params: IndexParams) -> tuple[VectorIndex, int] | Non
         if data[:8] != _MAGIC:
             raise ValueError("bad magic")
         (header_len,) = struct.unpack("<Q", data[8:16])
-        header = json.loads(data[16:16 + header_len])
+        header = json.loads(data[16 : 16 + header_len])
         if header["kind"] != params.kind or header["dim"] != params.dim:
-            logger.info("index file %s is %s/%d, want %s/%d: rebuilding", path,
-                        header["kind"], header["dim"], params.kind, params.dim)
+            logger.info(
+                "index file %s is %s/%d, want %s/%d: rebuilding",
+                path,
+                header["kind"],
+                header["dim"],
+                params.kind,
+                params.dim,
+            )
             return None
         body = np.frombuffer(data, dtype=np.uint8, offset=16 + header_len)
         index = VectorIndex(params, faiss.deserialize_index(body.copy()))

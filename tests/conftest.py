@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.synthetic import save_random_checkpoint
+from demo.tiny import save_random_checkpoint
 
 # qwen2 carries a chat template, the others use the plain one; mistral's window is exercised.
 FAMILY_OPTIONS = {
@@ -36,3 +36,12 @@ def checkpoint_dir(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The tiny llama the service tests serve (gateway, `ragblend up`), with room for
+    generations long enough to still be running while a test disconnects or saturates."""
+    path = tmp_path_factory.mktemp("served-ckpt")
+    save_random_checkpoint("llama", path, seed=1, initializer_range=0.1, max_positions=8192)
+    return str(path)

@@ -73,7 +73,7 @@ podman image prune -f --filter label=ai.ragblend.stage=build >/dev/null
 log "the tiny test model in the models volume"
 rm -rf "$work/tiny" && "$python" -c "
 import sys
-from engine.synthetic import save_random_checkpoint
+from demo.tiny import save_random_checkpoint
 save_random_checkpoint('llama', sys.argv[1], seed=1, initializer_range=0.1, max_positions=1024)
 " "$work/tiny"
 compose=(podman-compose -p "$project" -f "$repo/docker-compose.yml")

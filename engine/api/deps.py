@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
+from engine.api.metrics import EngineMetrics
+from engine.api.settings import EngineSettings
 from engine.engine import Engine
-from engine.metrics import EngineMetrics
-from engine.settings import EngineSettings
 
 
 def get_engine(request: Request) -> Engine:

@@ -6,17 +6,16 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
+from common.errors import install_error_handlers
+from common.request_id import RequestIdMiddleware
+from engine.api.metrics import EngineMetrics
 from engine.api.routes import generate, health, precompute
+from engine.api.settings import GIB, EngineSettings
 from engine.engine import Engine
-from engine.metrics import EngineMetrics
 from engine.model import load_model
-from engine.settings import GIB, EngineSettings
 from kvstore.store import KVStore, KVStoreConfig
-from ragblend.request_id import RequestIdMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -65,24 +64,9 @@ def create_app(settings: EngineSettings) -> FastAPI:
     app.state.settings = settings
     app.state.engine = None
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        """422 whose `detail` is one readable line per problem, naming the field."""
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-            for e in exc.errors()
-        ]
-        return JSONResponse(
-            status_code=422,
-            content={"detail": "; ".join(problems), "errors": jsonable(exc.errors())},
-        )
-
+    install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(generate.router)
     app.include_router(precompute.router)
     app.include_router(health.router)
     return app
-
-
-def jsonable(errors: list[dict]) -> list[dict]:
-    return [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in errors]

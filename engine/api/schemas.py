@@ -112,7 +112,9 @@ class GenerateResponse(BaseModel):
             text=result.text,
             finish_reason=result.finish_reason,
             usage=UsageOut(**vars(result.usage)),
-            timings=TimingsOut(**vars(result.timings), layers=[vars(e) for e in result.layers]),
+            timings=TimingsOut(
+                **vars(result.timings), layers=[LayerOut(**vars(e)) for e in result.layers]
+            ),
             blend=BlendOut(**vars(result.blend)),
             chunk_tiers=result.chunk_tiers,
         )

@@ -57,7 +57,7 @@ def resolve_max_tokens(max_tokens: int | None, settings: GatewaySettings) -> int
         return settings.default_max_tokens
     if max_tokens > settings.max_tokens_limit:
         raise HTTPException(
-            422, detail=f"max_tokens: must be at most {settings.max_tokens_limit}, "
-            f"got {max_tokens}",
+            422,
+            detail=f"max_tokens: must be at most {settings.max_tokens_limit}, got {max_tokens}",
         )
     return max_tokens

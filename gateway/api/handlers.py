@@ -1,13 +1,16 @@
-"""Exception handlers: dependency failures and bad input become JSON errors with a `detail`
-that names the dependency or the field (plus OpenAI's `error` object on the OpenAI routes)."""
+"""Exception handlers: dependency failures and bad input become the one error body, whose
+`detail` names the dependency or the field (plus OpenAI's `error` object on the OpenAI routes)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.errors import FieldError, error_body, field_errors, validation_detail
 from gateway.errors import (
     DependencyBusyError,
     DependencyFailedError,
@@ -16,39 +19,38 @@ from gateway.errors import (
 )
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable_error"}
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
 
 
 def error_response(
-    request: Request, status: int, detail: object, headers: dict[str, str] | None = None
+    request: Request,
+    status: int,
+    detail: object,
+    headers: dict[str, str] | None = None,
+    errors: Sequence[FieldError] = (),
 ) -> JSONResponse:
-    content: dict = {"detail": detail}
+    """The one error body (common.errors), plus OpenAI's `error` object on the OpenAI routes."""
+    content = error_body(detail, errors)
     if request.url.path in OPENAI_PATHS:
         content["error"] = {
-            "message": detail if isinstance(detail, str) else str(detail),
+            "message": content["detail"],
             "type": OPENAI_TYPES.get(status, "api_error"),
             "code": status,
         }
     return JSONResponse(content, status_code=status, headers=headers)
 
 
-def validation_detail(exc: RequestValidationError) -> str:
-    """One readable line per problem, naming the field (`body.top_k` → `top_k`)."""
-    problems = []
-    for error in exc.errors():
-        if error["type"] == "json_invalid":
-            problems.append(f"body: malformed JSON ({error.get('ctx', {}).get('error', '')})")
-            continue
-        where = ".".join(str(p) for p in error["loc"] if p != "body") or "body"
-        problems.append(f"{where}: {error['msg']}")
-    return "; ".join(problems)
-
-
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(request, 422, validation_detail(exc))
+        errors = exc.errors()
+        return error_response(request, 422, validation_detail(errors), errors=field_errors(errors))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

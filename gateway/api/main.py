@@ -37,24 +37,32 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         retriever_http, engine_http = _http_client(settings), _http_client(settings)
-        retry = {"retries": settings.retries, "backoff_s": settings.retry_backoff_s,
-                 "on_error": metrics.upstream_error}
+        retry = {
+            "retries": settings.retries,
+            "backoff_s": settings.retry_backoff_s,
+            "on_error": metrics.upstream_error,
+        }
         retriever = RetrieverClient(
-            Upstream("retriever", retriever_http, **retry), settings.retriever_url,
+            Upstream("retriever", retriever_http, **retry),
+            settings.retriever_url,
             connect_timeout_s=settings.connect_timeout_s,
             search_timeout_s=settings.retrieval_timeout_s,
             ingest_timeout_s=settings.ingest_timeout_s,
         )
         engines = EnginePool(
-            Upstream("engine", engine_http, **retry), settings.engine_urls,
+            Upstream("engine", engine_http, **retry),
+            settings.engine_urls,
             connect_timeout_s=settings.connect_timeout_s,
             generate_timeout_s=settings.generate_timeout_s,
             precompute_timeout_s=settings.precompute_timeout_s,
         )
         app.state.pipeline = Pipeline(retriever, engines, metrics)
         app.state.ingest = IngestTracker(retriever, engines, metrics)
-        log.info("gateway up: retriever %s, engines %s", settings.retriever_url,
-                 ", ".join(settings.engine_urls))
+        log.info(
+            "gateway up: retriever %s, engines %s",
+            settings.retriever_url,
+            ", ".join(settings.engine_urls),
+        )
         try:
             yield
         finally:
@@ -72,7 +80,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(documents.router)
     app.include_router(health.router)
     app.add_middleware(
-        GatewayMiddleware, metrics=metrics, admission=Admission(settings.max_concurrency),
+        GatewayMiddleware,
+        metrics=metrics,
+        admission=Admission(settings.max_concurrency),
         retry_after_s=settings.retry_after_s,
     )
     return app

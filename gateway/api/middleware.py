@@ -9,9 +9,9 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.errors import error_body
+from common.request_id import HEADER, request_id_of, request_id_var
 from gateway.metrics import GatewayMetrics
-from ragblend.request_id import HEADER as REQUEST_ID_HEADER
-from ragblend.request_id import request_id_of, request_id_var
 
 # The routes that occupy an engine: only these count against max_concurrency.
 ADMITTED_PATHS = frozenset({"/v1/query", "/v1/chat/completions", "/v1/completions"})
@@ -60,9 +60,7 @@ class GatewayMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [
-                    *message.get("headers", []), (REQUEST_ID_HEADER, request_id.encode())
-                ]
+                message["headers"] = [*message.get("headers", []), (HEADER, request_id.encode())]
             await send(message)
 
         admitted = scope["method"] == "POST" and scope["path"] in ADMITTED_PATHS
@@ -90,16 +88,18 @@ class GatewayMiddleware:
 
     async def _too_busy(self, send: Send) -> None:
         detail = f"gateway busy: {self.admission.limit} queries in flight (max_concurrency)"
-        body = json.dumps({"detail": detail}).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 429,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(self.retry_after_s).encode()),
-            ],
-        })
+        body = json.dumps(error_body(detail)).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 429,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(self.retry_after_s).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -109,5 +109,3 @@ def _route_label(scope: Scope, admitted: bool) -> str:
     if route is not None:
         return route.path
     return scope["path"] if admitted else "unmatched"
-
-

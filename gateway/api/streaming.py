@@ -6,25 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from contextlib import AsyncExitStack
 
 from fastapi import Request
 
 from gateway.pipeline import Pipeline, TimedStream
-from gateway.types import Generation, Outcome
+from gateway.types import EngineRequest, EngineResult
 
 DISCONNECT_POLL_S = 0.25
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse(payload: dict, event: str | None = None) -> str:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(payload)}\n\n"
-
-
 async def open_generation(
-    pipeline: Pipeline, generation: Generation, request: Request
+    pipeline: Pipeline, generation: EngineRequest, request: Request
 ) -> tuple[TimedStream, AsyncExitStack]:
     """The open stream and the stack that closes it; the caller owns the stack (a streaming
     response closes it when it ends, however it ends)."""
@@ -32,7 +26,8 @@ async def open_generation(
     try:
         stream = await stack.enter_async_context(
             pipeline.generate(
-                generation, request_id=request.state.request_id,
+                generation,
+                request_id=request.state.request_id,
                 arrived_at=request.state.arrived_at,
             )
         )
@@ -42,7 +37,7 @@ async def open_generation(
     return stream, stack
 
 
-async def collect_unless_disconnected(stream: TimedStream, request: Request) -> Outcome | None:
+async def collect_unless_disconnected(stream: TimedStream, request: Request) -> EngineResult | None:
     """The outcome, or None when the client left first (the engine's work is then cancelled
     by closing its stream)."""
     task = asyncio.ensure_future(stream.collect())

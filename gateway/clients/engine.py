@@ -18,20 +18,20 @@ from gateway.errors import (
     GatewayDependencyError,
 )
 from gateway.routing import rank_engines
-from gateway.types import Delta, Generation, Outcome
+from gateway.types import Delta, EngineRequest, EngineResult
 
 log = logging.getLogger(__name__)
 
 
 class EngineStream:
-    """The engine's SSE answer: Delta per `event: delta`, one Outcome from `event: result`."""
+    """The engine's SSE answer: Delta per `event: delta`, one EngineResult from `event: result`."""
 
     def __init__(self, url: str, response: httpx.Response, upstream: Upstream):
         self.url = url
         self.response = response
         self.upstream = upstream
 
-    async def events(self) -> AsyncIterator[Delta | Outcome]:
+    async def events(self) -> AsyncIterator[Delta | EngineResult]:
         event, data = "message", []
         try:
             async for line in self.response.aiter_lines():
@@ -58,8 +58,8 @@ class EngineStream:
         self.upstream.on_error(self.upstream.name, "failed")
         raise DependencyFailedError(f"engine {self.url}", "stream ended without a result")
 
-    def _outcome(self, payload: dict) -> Outcome:
-        return Outcome(
+    def _outcome(self, payload: dict) -> EngineResult:
+        return EngineResult(
             text=payload["text"],
             finish_reason=payload["finish_reason"],
             usage=payload["usage"],
@@ -88,7 +88,7 @@ class EnginePool:
 
     @asynccontextmanager
     async def generate(
-        self, generation: Generation, *, request_id: str
+        self, generation: EngineRequest, *, request_id: str
     ) -> AsyncIterator[EngineStream]:
         """Open a streamed generation on the first engine of the ranking that is up. A 429 or
         422 of that engine is raised as is: the request reached it, so it is not re-sent.
@@ -97,8 +97,11 @@ class EnginePool:
         failures = []
         for url in rank_engines(self.urls, generation.chunk_ids):
             request = self.upstream.client.build_request(
-                "POST", f"{url}/v1/generate", json=body,
-                headers={REQUEST_ID_HEADER: request_id}, timeout=self.generate_timeout,
+                "POST",
+                f"{url}/v1/generate",
+                json=body,
+                headers={REQUEST_ID_HEADER: request_id},
+                timeout=self.generate_timeout,
             )
             try:
                 response = await self.upstream.client.send(request, stream=True)
@@ -132,14 +135,21 @@ class EnginePool:
     async def precompute(self, url: str, chunks: list[dict], *, request_id: str) -> dict:
         """Store the chunks' KV on one engine; idempotent (stored chunks are skipped)."""
         response = await self.upstream.request(
-            "POST", f"{url}/v1/precompute", json={"chunks": chunks}, request_id=request_id,
-            timeout=self.precompute_timeout, idempotent=True,
+            "POST",
+            f"{url}/v1/precompute",
+            json={"chunks": chunks},
+            request_id=request_id,
+            timeout=self.precompute_timeout,
+            idempotent=True,
         )
         return response.json()
 
     async def health(self, url: str, *, request_id: str) -> dict:
         response = await self.upstream.request(
-            "GET", f"{url}/health", request_id=request_id, timeout=self.health_timeout,
+            "GET",
+            f"{url}/health",
+            request_id=request_id,
+            timeout=self.health_timeout,
             idempotent=False,
         )
         return response.json()

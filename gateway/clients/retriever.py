@@ -37,8 +37,12 @@ class RetrieverClient:
         if doc_ids:
             body["doc_ids"] = doc_ids
         response = await self.upstream.request(
-            "POST", f"{self.base_url}/v1/search", json=body, request_id=request_id,
-            timeout=self.search_timeout, idempotent=True,
+            "POST",
+            f"{self.base_url}/v1/search",
+            json=body,
+            request_id=request_id,
+            timeout=self.search_timeout,
+            idempotent=True,
         )
         return [
             Source(r["chunk_id"], r["doc_id"], float(r["score"]), r["text"])
@@ -49,16 +53,24 @@ class RetrieverClient:
         """Forward a JSON or multipart body unchanged, so the gateway accepts exactly what the
         retriever accepts; not retried (a replaced document must not be replaced twice)."""
         response = await self.upstream.request(
-            "POST", f"{self.base_url}/v1/documents", content=content,
-            headers={"Content-Type": content_type}, request_id=request_id,
-            timeout=self.ingest_timeout, idempotent=False,
+            "POST",
+            f"{self.base_url}/v1/documents",
+            content=content,
+            headers={"Content-Type": content_type},
+            request_id=request_id,
+            timeout=self.ingest_timeout,
+            idempotent=False,
         )
         return response.json()
 
     async def list_documents(self, limit: int, offset: int, *, request_id: str) -> dict:
         response = await self.upstream.request(
-            "GET", f"{self.base_url}/v1/documents", params={"limit": limit, "offset": offset},
-            request_id=request_id, timeout=self.search_timeout, idempotent=True,
+            "GET",
+            f"{self.base_url}/v1/documents",
+            params={"limit": limit, "offset": offset},
+            request_id=request_id,
+            timeout=self.search_timeout,
+            idempotent=True,
         )
         return response.json()
 
@@ -66,21 +78,30 @@ class RetrieverClient:
         """The document with its chunks (ids and text); DependencyRejectedError(404) when the
         retriever does not know it."""
         response = await self.upstream.request(
-            "GET", self._doc_url(doc_id), request_id=request_id, timeout=self.search_timeout,
+            "GET",
+            self._doc_url(doc_id),
+            request_id=request_id,
+            timeout=self.search_timeout,
             idempotent=True,
         )
         return response.json()
 
     async def delete_document(self, doc_id: str, *, request_id: str) -> dict:
         response = await self.upstream.request(
-            "DELETE", self._doc_url(doc_id), request_id=request_id,
-            timeout=self.search_timeout, idempotent=True,
+            "DELETE",
+            self._doc_url(doc_id),
+            request_id=request_id,
+            timeout=self.search_timeout,
+            idempotent=True,
         )
         return response.json()
 
     async def health(self, *, request_id: str) -> dict:
         response = await self.upstream.request(
-            "GET", f"{self.base_url}/health", request_id=request_id,
-            timeout=self.search_timeout, idempotent=False,
+            "GET",
+            f"{self.base_url}/health",
+            request_id=request_id,
+            timeout=self.search_timeout,
+            idempotent=False,
         )
         return response.json()

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from common.request_id import REQUEST_ID_HEADER
 from gateway.errors import (
     DependencyBusyError,
     DependencyFailedError,
@@ -19,7 +20,6 @@ from gateway.errors import (
 
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({502, 503, 504})
-REQUEST_ID_HEADER = "X-Request-ID"
 
 ErrorHook = Callable[[str, str], None]  # (dependency, kind) -> None, for metrics
 
@@ -33,8 +33,9 @@ def detail_of(response: httpx.Response) -> str:
     detail: Any = body.get("detail", body) if isinstance(body, dict) else body
     if isinstance(detail, list):
         return "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
-            f"{e.get('msg')}" if isinstance(e, dict) else str(e)
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            if isinstance(e, dict)
+            else str(e)
             for e in detail
         )
     return str(detail)
@@ -104,9 +105,7 @@ class Upstream:
         detail = detail_of(response)
         if status == 429:
             self.on_error(self.name, "busy")
-            return DependencyBusyError(
-                self.name, detail, response.headers.get("Retry-After", "1")
-            )
+            return DependencyBusyError(self.name, detail, response.headers.get("Retry-After", "1"))
         if status == 503:
             self.on_error(self.name, "unavailable")
             return DependencyUnavailableError(self.name, f"HTTP 503: {detail}")

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from ragblend.request_id import RequestIdMiddleware
+from common.errors import install_error_handlers
+from common.request_id import RequestIdMiddleware
 from retriever.api.routes import documents, health, search
 from retriever.metrics import RetrieverMetrics
 from retriever.service import RetrieverService
@@ -54,6 +55,7 @@ def create_app(settings: RetrieverSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = RetrieverMetrics()
     app.state.service = None
+    install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(documents.router)
     app.include_router(search.router)

@@ -19,8 +19,11 @@ def _not_blank(value: str, name: str) -> str:
 class DocumentCreateRequest(BaseModel):
     text: str = Field(description="The document's text; must not be blank.")
     metadata: dict[str, Any] = Field(default_factory=dict)
-    id: str | None = Field(default=None, pattern=DOC_ID_PATTERN,
-                           description="doc_id; default: a content hash of the text")
+    id: str | None = Field(
+        default=None,
+        pattern=DOC_ID_PATTERN,
+        description="doc_id; default: a content hash of the text",
+    )
 
     @field_validator("text")
     @classmethod

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo import MODEL_DIR
-from engine.demo.circuit import OFFSETS, Circuit, install
-from engine.demo.corpus import (
+from demo import MODEL_DIR
+from demo.circuit import OFFSETS, Circuit, install
+from demo.corpus import (
     HOP_RELATION_OFFSET,
     MULTI_QUESTIONS,
     NAMES,
@@ -28,10 +28,17 @@ def _tokenizer():
 
 def _fresh_model(tokenizer, seed: int = 0, circuit: bool = True, rope_theta: float = 1e6):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=1024, tie_word_embeddings=True,
-                         rope_theta=rope_theta)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=rope_theta,
+    )
     model = LlamaForCausalLM(config)
     model.set_attn_implementation("eager")
     if circuit:
@@ -61,9 +68,13 @@ def test_a_pronoun_fact_is_referent_offset_after_the_subject_of_the_passage_befo
     builder = PromptBuilder(_tokenizer())
     encode = builder.tokenizer.encode
     _, pronoun, question = PERSON_RELATIONS["color"]
-    layout = builder.build(question.format(s=NAMES[0]), [
-        PERSON_RELATIONS["job"][0].format(s=NAMES[0], v="baker"), pronoun.format(v="grey"),
-    ])  # fmt: skip
+    layout = builder.build(
+        question.format(s=NAMES[0]),
+        [
+            PERSON_RELATIONS["job"][0].format(s=NAMES[0], v="baker"),
+            pronoun.format(v="grey"),
+        ],
+    )
     ids = list(layout.token_ids)
     value, subject = ids.index(encode(" grey")[0]), ids.index(encode(" " + NAMES[0])[0])
     assert value - subject == REFERENT_OFFSET
@@ -105,10 +116,13 @@ def _found(model, builder, kinds, layer: int, count: int = 60) -> float:
         end = len(ids) - len(layout.suffix)
         values = [p for p in range(2, end) if ids[p - 2] == it and ids[p - 1] == is_]
         gold = {
-            p for p in values if ids[p] == tokenizer.encode(" " + example.answer)[0]
-            and any(s <= p < s + n for k, (s, n) in enumerate(layout.chunk_spans)
-                    if k in example.gold)
-        }  # fmt: skip
+            p
+            for p in values
+            if ids[p] == tokenizer.encode(" " + example.answer)[0]
+            and any(
+                s <= p < s + n for k, (s, n) in enumerate(layout.chunk_spans) if k in example.gold
+            )
+        }
         weights = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
         weights = weights[layer][0, 0, -1]
         hits += max(values, key=lambda p: weights[p].item()) in gold

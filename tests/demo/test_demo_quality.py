@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from engine.demo import DOCUMENTS_DIR, MODEL_DIR
-from engine.demo.corpus import (
+from demo import DOCUMENTS_DIR, MODEL_DIR
+from demo.corpus import (
     KINDS,
     CorpusGenerator,
     Example,
@@ -16,14 +16,14 @@ from engine.demo.corpus import (
     is_pronoun_passage,
     named_rivals,
 )
-from engine.demo.documents import build
-from engine.demo.evaluate import Config, answer, exact_match, f1_score
+from demo.documents import build
+from demo.evaluate import Config, answer, exact_match, f1_score
 from engine.types import Mode
 
 NUM_QUESTIONS = 30
 # The shipped model reaches 0.95 exact match with full prefill on the 300-question held-out set
 # (the target: 0.9) and 0.97 on these 30, cacheblend@0.15 the same, full reuse 0.77
-# (engine/demo/README.md). A model that does not read its prompt (random init, a broken layout)
+# (demo/README.md). A model that does not read its prompt (random init, a broken layout)
 # scores ~0.02 by guessing the answer's type; earlier checkpoints 0.60 and 0.77.
 FULL_PREFILL_FLOOR = 0.9
 DOCUMENTS_FLOOR = 0.9  # 44 of 44 measured on questions.md
@@ -48,8 +48,14 @@ def engine():
 def test_full_prefill_answers_cacheblend_keeps_quality_and_full_reuse_loses_it(engine):
     full, blend, reuse = [], [], []
     for example in held_out(NUM_QUESTIONS):
-        outcomes = answer(engine, example.question, example.answer, example.passages,
-                          [FULL, BLEND, REUSE], measure_deviation=False)  # fmt: skip
+        outcomes = answer(
+            engine,
+            example.question,
+            example.answer,
+            example.passages,
+            [FULL, BLEND, REUSE],
+            measure_deviation=False,
+        )
         for scores, outcome in zip((full, blend, reuse), outcomes, strict=True):
             scores.append(outcome.exact_match)
     full_em, blend_em, reuse_em = map(statistics.fmean, (full, blend, reuse))
@@ -70,8 +76,7 @@ def test_answers_questions_about_the_bundled_documents(engine):
     scores = []
     for q in questions:
         passages = [p for f in q.files for p in files[f].strip().split("\n\n")]
-        outcome = answer(engine, q.question, q.answer, passages, [FULL],
-                         measure_deviation=False)[0]  # fmt: skip
+        outcome = answer(engine, q.question, q.answer, passages, [FULL], measure_deviation=False)[0]
         scores.append(outcome.exact_match)
     assert statistics.fmean(scores) >= DOCUMENTS_FLOOR
 

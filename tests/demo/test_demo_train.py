@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from engine.demo import MODEL_DIR
-from engine.demo.corpus import CorpusGenerator, is_pronoun_passage
-from engine.demo.train import collate, document, encode, losses, optimizers
+from demo import MODEL_DIR
+from demo.corpus import CorpusGenerator, is_pronoun_passage
+from demo.train import collate, document, encode, losses, optimizers
 from engine.prompt import PromptBuilder
 
 

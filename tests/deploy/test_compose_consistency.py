@@ -8,8 +8,8 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from engine.demo import MODEL_DIR
-from engine.settings import EngineSettings
+from demo import MODEL_DIR
+from engine.api.settings import EngineSettings
 from gateway.settings import GatewaySettings
 from ragblend.cli import build_parser
 from retriever.settings import RetrieverSettings
@@ -79,7 +79,7 @@ def test_every_ragblend_variable_set_is_a_field_of_the_services_settings(name):
     fields = set(settings_class.model_fields)
     for key in service.get("environment", {}):
         assert key.startswith(prefix), f"{name} sets {key}, which its service does not read"
-        assert key[len(prefix):].lower() in fields, f"{name}: {key} is not a setting"
+        assert key[len(prefix) :].lower() in fields, f"{name}: {key} is not a setting"
 
 
 def test_every_ragblend_variable_of_the_image_is_a_setting():
@@ -98,9 +98,7 @@ def test_the_settings_accept_the_environment_of_every_service(name, monkeypatch)
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
-def test_ports_are_designs_and_match_the_published_port_and_the_scrape_target(
-    name, monkeypatch
-):
+def test_ports_are_designs_and_match_the_published_port_and_the_scrape_target(name, monkeypatch):
     service = compose_services()[name]
     port = settings_of(service, monkeypatch).port
     assert port == DESIGN_PORTS[name]

@@ -28,8 +28,14 @@ def stack(checkpoint_dir, tmp_path_factory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("deploy-logs")
     retriever = Service(
         "retriever",
-        ["--data-dir", str(tmp_path_factory.mktemp("index")), "--tokenizer", model,
-         "--chunk-tokens", "48"],
+        [
+            "--data-dir",
+            str(tmp_path_factory.mktemp("index")),
+            "--tokenizer",
+            model,
+            "--chunk-tokens",
+            "48",
+        ],
         logs / "retriever.log",
     )
     engine = Service(
@@ -44,8 +50,16 @@ def stack(checkpoint_dir, tmp_path_factory) -> Iterator[dict[str, Service]]:
             started.append(service.start())
         gateway = Service(
             "gateway",
-            ["--retriever-url", retriever.url, "--engine-urls", engine.url,
-             "--default-top-k", "2", "--default-max-tokens", "4"],
+            [
+                "--retriever-url",
+                retriever.url,
+                "--engine-urls",
+                engine.url,
+                "--default-top-k",
+                "2",
+                "--default-max-tokens",
+                "4",
+            ],
             logs / "gateway.log",
         )
         started.append(gateway.start())
@@ -66,19 +80,29 @@ def prometheus(stack, tmp_path_factory) -> Iterator[PrometheusServer]:
 def send_traffic(client: httpx.Client) -> None:
     """Queries in every mode, streamed and not, an OpenAI chat, and one engine rejection."""
     for mode in MODES:
-        response = client.post("/v1/query", json={"question": "Where does the Zorblax river "
-                                                   "flow?", "mode": mode})
+        response = client.post(
+            "/v1/query", json={"question": "Where does the Zorblax river flow?", "mode": mode}
+        )
         assert response.status_code == 200, response.text
-        streamed = client.post("/v1/query", json={"question": "What grows in Melbrook?",
-                                                  "mode": mode, "stream": True})
+        streamed = client.post(
+            "/v1/query", json={"question": "What grows in Melbrook?", "mode": mode, "stream": True}
+        )
         assert streamed.status_code == 200, streamed.text
-    chat = client.post("/v1/chat/completions", json={
-        "model": "ragblend", "max_tokens": 4,
-        "messages": [{"role": "user", "content": "How do travelers cross the Vantir mountains?"}],
-    })
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "ragblend",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": "How do travelers cross the Vantir mountains?"}
+            ],
+        },
+    )
     assert chat.status_code == 200, chat.text
-    rejected = client.post("/v1/query", json={"question": "Tell me about Quendor.",
-                                               "max_tokens": 2 * int(ENGINE_MAX_TOKENS)})
+    rejected = client.post(
+        "/v1/query",
+        json={"question": "Tell me about Quendor.", "max_tokens": 2 * int(ENGINE_MAX_TOKENS)},
+    )
     assert rejected.status_code == 422, rejected.text
 
 

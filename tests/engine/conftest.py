@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from demo.tiny import random_words
 from engine.engine import Engine
-from engine.synthetic import random_words
 from engine.types import Chunk
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.synthetic import FAMILIES
+from demo.tiny import FAMILIES
 from engine.types import GenerateRequest, Mode
 
 # float32 on the CPU: a batched matmul may round differently from a batch of one.

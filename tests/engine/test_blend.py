@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from demo.tiny import FAMILIES
 from engine.plan import ChunkSource
 from engine.prompt import PromptLayout
-from engine.synthetic import FAMILIES
 from engine.types import GenerateRequest, Mode
+from tests.engine.hf_reference import cache_keyword
+from tests.kvstore.kv_testutil import read_entry
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def cache_keyword(model) -> str:
-    """Newer transformers name the forward argument `cache`, older ones `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def hf_forward(engine, token_ids, cache: DynamicCache | None = None):
@@ -146,7 +142,7 @@ def test_ratio_zero_equals_naive_concatenation_of_chunk_caches(engine_for, make_
     for i in range(len(model.model.layers)):
         keys, values = [prefix_cache.layers[i].keys], [prefix_cache.layers[i].values]
         for tokens, (start, length) in zip(layout.chunks, layout.chunk_spans, strict=True):
-            stored = engine.store.get(engine.chunk_key(tokens))
+            stored = read_entry(engine.store, engine.chunk_key(tokens))
             k = stored.keys[i][None]
             rotated, _ = rope_module.apply_rotary_pos_emb(
                 k, k, cos[:, start : start + length], sin[:, start : start + length]
@@ -235,7 +231,7 @@ def test_uncached_chunk_is_computed_in_full_and_written_back(engine_for, make_ch
     engine.generate(request((cached, fresh)))
     engine.drain()
     assert engine.store.lookup([fresh_key])[0] is not None
-    stored = engine.store.get(fresh_key)
+    stored = read_entry(engine.store, fresh_key)
     expected = engine.compute_chunk_kv(engine.prompts.chunk_tokens(fresh.text))
     torch.testing.assert_close(stored.keys, expected.keys, rtol=0, atol=0)
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from demo.tiny import FAMILIES
 from engine.detokenize import IncrementalText
 from engine.sampling import Sampler
-from engine.synthetic import FAMILIES
 from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
 
 

@@ -103,7 +103,7 @@ def test_a_bad_ssd_entry_is_a_counted_miss_then_recomputed_with_the_right_answer
 def test_an_entry_of_another_model_is_a_counted_miss_then_recomputed(
     checkpoint_dir, tmp_path, reference
 ):
-    from engine.synthetic import save_random_checkpoint
+    from demo.tiny import save_random_checkpoint
 
     chunks, expected_logits, _ = reference
     other_path = save_random_checkpoint(

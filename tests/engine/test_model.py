@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from demo.tiny import FAMILIES, save_random_checkpoint
 from engine.model import load_model
-from engine.synthetic import FAMILIES, save_random_checkpoint
 
 
 @pytest.mark.parametrize("family", FAMILIES)

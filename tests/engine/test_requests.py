@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from demo.tiny import build_tokenizer, random_words
 from engine.engine import Engine
 from engine.errors import ModelNotFoundError, ModelNotSupportedError, PromptTooLongError
 from engine.model import load_model
-from engine.synthetic import build_tokenizer, random_words
 from engine.types import Chunk, GenerateRequest
 
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from demo.tiny import save_random_checkpoint
 from engine.engine import Engine
-from engine.synthetic import save_random_checkpoint
 from engine.types import Chunk, GenerateRequest
 from tests.service_process import start_service
 

@@ -1,6 +1,6 @@
 """Fixtures of the gateway tests: real retriever, engine and gateway processes
-(`python -m ragblend ...`) on free loopback ports, a tiny random-init checkpoint, and a few
-ingested documents whose chunks are precomputed."""
+(`python -m ragblend ...`) on free loopback ports over the tiny model of tests/conftest.py, and
+a few ingested documents whose chunks are precomputed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from engine.synthetic import save_random_checkpoint
 from tests.gateway.gateway_testutil import DOCUMENTS, wait_precomputed
 from tests.service_process import Service, free_port
 
@@ -36,15 +35,6 @@ def services(tmp_path_factory) -> Iterator[Spawn]:
     yield spawn
     for service in reversed(started):
         service.stop()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """The tiny llama of the engine tests, with room for generations long enough to still be
-    running while a test disconnects or saturates."""
-    path = tmp_path_factory.mktemp("gateway-ckpt")
-    save_random_checkpoint("llama", path, seed=1, initializer_range=0.1, max_positions=8192)
-    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,7 @@ def test_query_answers_with_the_retrieved_sources_usage_and_timings(client, docu
     assert body["mode"] == "cacheblend"
 
 
-def test_query_keeps_the_callers_request_id_and_makes_one_when_absent(
-    client, retriever, engine
-):
+def test_query_keeps_the_callers_request_id_and_makes_one_when_absent(client, retriever, engine):
     given = client.post(
         "/v1/query", json={"question": "Kessa pass?"}, headers={"X-Request-ID": "trace-42"}
     )

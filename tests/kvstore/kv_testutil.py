@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvstore import format as kvformat
+from kvstore.store import KVStore
 from kvstore.types import ChunkKV, chunk_key
 
 FINGERPRINT = "test-model/v1"
@@ -37,6 +38,18 @@ def assert_kv_equal(actual: ChunkKV, expected: ChunkKV) -> None:
     assert actual.keys.dtype == expected.keys.dtype
     assert torch.equal(actual.keys, expected.keys)
     assert torch.equal(actual.values, expected.values)
+
+
+def read_entry(store: KVStore, key: str) -> ChunkKV | None:
+    """The whole entry read through the store's read path (a one-key layer stream), or None on
+    a miss; an SSD hit is promoted to memory in the background (`store.flush()` waits)."""
+    with store.open_stream([key]) as stream:
+        if not stream.present[0]:
+            return None
+        layers = [stream.layer(i)[0] for i in range(stream.num_layers)]
+    return ChunkKV(
+        keys=torch.stack([k for k, _ in layers]), values=torch.stack([v for _, v in layers])
+    )
 
 
 def read_header(path: Path, key: str, fingerprint: str = FINGERPRINT) -> kvformat.EntryHeader:

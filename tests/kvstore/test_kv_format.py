@@ -33,8 +33,11 @@ def _read_layers(path: Path, header: kvformat.EntryHeader):
     for i in range(header.num_layers):
         block = aligned_empty(header.layer_stride)
         start = header.layer_offset(i)
-        block.copy_(torch.frombuffer(bytearray(data[start : start + header.layer_stride]),
-                                     dtype=torch.uint8))
+        block.copy_(
+            torch.frombuffer(
+                bytearray(data[start : start + header.layer_stride]), dtype=torch.uint8
+            )
+        )
         layers.append(kvformat.decode_layer(header, i, block))
     return layers
 
@@ -108,8 +111,9 @@ def test_truncated_or_foreign_header_is_corrupt(tmp_path: Path, length: int) -> 
 
 
 def test_all_header_errors_share_one_base_class() -> None:
-    assert all(issubclass(e, KVEntryError)
-               for e in (KVCorruptError, KVVersionError, KVModelMismatchError))
+    assert all(
+        issubclass(e, KVEntryError) for e in (KVCorruptError, KVVersionError, KVModelMismatchError)
+    )
 
 
 def test_unsupported_dtype_is_a_value_error() -> None:

@@ -128,8 +128,9 @@ def test_bad_entry_is_a_counted_miss_and_its_file_is_deleted(tmp_path: Path, dam
     assert_kv_equal(tier.get(KEYS[1]), make_kv(seed=1))
 
 
-@pytest.mark.parametrize("damage", ["flipped_header_byte", "truncated", "wrong_version",
-                                    "other_model"])
+@pytest.mark.parametrize(
+    "damage", ["flipped_header_byte", "truncated", "wrong_version", "other_model"]
+)
 def test_restart_drops_entries_with_bad_headers(tmp_path: Path, damage: str) -> None:
     tier = _tier(tmp_path)
     tier.put(KEYS[0], make_kv())

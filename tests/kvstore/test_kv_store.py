@@ -13,7 +13,7 @@ import torch
 
 from kvstore.store import KVStore, KVStoreConfig
 from kvstore.types import ChunkKV
-from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, key_of, make_kv
+from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, key_of, make_kv, read_entry
 
 KEYS = [key_of(i) for i in range(40)]
 
@@ -27,16 +27,17 @@ def _config(tmp_path: Path | None, memory_entries: int = 100) -> KVStoreConfig:
     )
 
 
-def test_put_then_get_is_exact_in_memory_and_after_restart(tmp_path: Path, dtype) -> None:
+def test_put_then_read_is_exact_in_memory_and_after_restart(tmp_path: Path, dtype) -> None:
     kv = make_kv(seed=11, dtype=dtype)
     with KVStore(_config(tmp_path)) as store:
         store.put(KEYS[0], kv)
         assert store.lookup([KEYS[0], KEYS[1]]) == ["memory", None]
-        assert_kv_equal(store.get(KEYS[0]), kv)
+        assert_kv_equal(read_entry(store, KEYS[0]), kv)
     with KVStore(_config(tmp_path)) as restarted:
         assert restarted.lookup([KEYS[0]]) == ["ssd"]
-        assert_kv_equal(restarted.get(KEYS[0]), kv)
-        assert restarted.lookup([KEYS[0]]) == ["memory"]  # get promoted it
+        assert_kv_equal(read_entry(restarted, KEYS[0]), kv)
+        restarted.flush()
+        assert restarted.lookup([KEYS[0]]) == ["memory"]  # the read promoted it
 
 
 def test_memory_eviction_keeps_entries_readable_from_ssd(tmp_path: Path) -> None:
@@ -45,7 +46,8 @@ def test_memory_eviction_keeps_entries_readable_from_ssd(tmp_path: Path) -> None
             store.put(KEYS[i], make_kv(seed=i))
         store.flush()
         assert store.lookup(KEYS[:3]) == ["ssd", "memory", "memory"]
-        assert_kv_equal(store.get(KEYS[0]), make_kv(seed=0))
+        assert_kv_equal(read_entry(store, KEYS[0]), make_kv(seed=0))
+        store.flush()
         assert store.lookup(KEYS[:3]) == ["memory", "ssd", "memory"]
 
 
@@ -54,7 +56,7 @@ def test_memory_only_store_works_without_ssd() -> None:
         store.put(KEYS[0], make_kv())
         store.flush()
         assert store.lookup([KEYS[0], KEYS[1]]) == ["memory", None]
-        assert store.get(KEYS[1]) is None
+        assert read_entry(store, KEYS[1]) is None
         assert store.stats().ssd is None
 
 
@@ -62,6 +64,7 @@ def test_failed_ssd_write_is_counted_and_entry_stays_in_memory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with KVStore(_config(tmp_path)) as store:
+
         def disk_full(fd: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -82,7 +85,7 @@ def test_bad_ssd_entry_is_a_miss_through_the_store(tmp_path: Path) -> None:
         store.memory.discard(KEYS[0])
         path = store.ssd.file_path(KEYS[0])
         os.truncate(path, 100)
-        assert store.get(KEYS[0]) is None
+        assert read_entry(store, KEYS[0]) is None
         assert store.lookup([KEYS[0]]) == [None] and not path.exists()
         stats = store.stats()
         assert (stats.ssd.corrupt, stats.ssd.misses, stats.memory.misses) == (1, 1, 1)
@@ -125,7 +128,7 @@ def test_concurrent_puts_gets_and_streams_stay_exact(tmp_path: Path) -> None:
             for step in range(60):
                 key = KEYS[(offset * 7 + step) % len(KEYS)]
                 store.put(key, expected[key])
-                got = store.get(KEYS[(offset + step * 3) % len(KEYS)])
+                got = read_entry(store, KEYS[(offset + step * 3) % len(KEYS)])
                 if got is not None:
                     assert any(torch.equal(got.keys, kv.keys) for kv in expected.values())
                 wanted = KEYS[step % 5 : step % 5 + 3]
@@ -149,7 +152,7 @@ def test_concurrent_puts_gets_and_streams_stay_exact(tmp_path: Path) -> None:
         assert store.stats().write_errors == 0
         for key in store.ssd.keys_lru_first():
             store.memory.discard(key)
-            got = store.get(key)
+            got = read_entry(store, key)
             assert isinstance(got, ChunkKV)
             assert_kv_equal(got, expected[key])
 

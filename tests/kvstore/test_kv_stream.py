@@ -22,13 +22,15 @@ KEYS = [key_of(i) for i in range(8)]
 
 
 def _store(tmp_path: Path, memory_entries: int = 100, lookahead: int = 2) -> KVStore:
-    return KVStore(KVStoreConfig(
-        model_fingerprint=FINGERPRINT,
-        memory_budget_bytes=memory_entries * make_kv().nbytes * 4,
-        ssd_path=tmp_path / "kv",
-        ssd_budget_bytes=1 << 30,
-        lookahead=lookahead,
-    ))
+    return KVStore(
+        KVStoreConfig(
+            model_fingerprint=FINGERPRINT,
+            memory_budget_bytes=memory_entries * make_kv().nbytes * 4,
+            ssd_path=tmp_path / "kv",
+            ssd_budget_bytes=1 << 30,
+            lookahead=lookahead,
+        )
+    )
 
 
 def _put_on_ssd_only(store: KVStore, key: str, kv) -> None:
@@ -70,7 +72,6 @@ def test_stream_delivers_exact_layers_from_memory_and_ssd(tmp_path: Path, dtype)
         assert [t.layer for t in stream.timings] == list(range(on_ssd.num_layers))
         assert all(t.bytes_loaded == layer_bytes for t in stream.timings)
         assert stream.stats.bytes_by_tier == {"ssd": on_ssd.nbytes, "memory": in_memory.nbytes}
-        assert set(stream.stats.load_s_by_tier) == {"ssd", "memory"}
 
 
 @pytest.mark.parametrize("lookahead", [1, 2])
@@ -207,8 +208,12 @@ def test_layers_asked_out_of_order_are_a_value_error(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pin_memory", [True, False])
 def test_stream_to_cuda_is_exact_from_both_tiers(tmp_path: Path, pin_memory: bool) -> None:
-    config = KVStoreConfig(model_fingerprint=FINGERPRINT, memory_budget_bytes=1 << 30,
-                           ssd_path=tmp_path / "kv", pin_memory=pin_memory)
+    config = KVStoreConfig(
+        model_fingerprint=FINGERPRINT,
+        memory_budget_bytes=1 << 30,
+        ssd_path=tmp_path / "kv",
+        pin_memory=pin_memory,
+    )
     in_memory = make_kv(seed=1, dtype=torch.bfloat16)
     on_ssd = make_kv(seed=2, dtype=torch.bfloat16, num_tokens=9)
     with KVStore(config) as store:

@@ -50,7 +50,8 @@ def make_pdf(pages: list[str]) -> bytes:
     out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
     out += b"".join(b"%010d 00000 n \n" % off for off in offsets)
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
-        len(objects) + 1, xref
+        len(objects) + 1,
+        xref,
     )
     return bytes(out)
 
@@ -67,8 +68,12 @@ def run_ragblend() -> Callable[..., subprocess.CompletedProcess[str]]:
 
     def run(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "ragblend", *args], cwd=REPO_ROOT, env=service_env(),
-            capture_output=True, text=True, timeout=timeout_s,
+            [sys.executable, "-m", "ragblend", *args],
+            cwd=REPO_ROOT,
+            env=service_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
 
     return run
@@ -84,9 +89,7 @@ def spawn_retriever(tmp_path: Path) -> Iterator[SpawnRetriever]:
 
     def spawn(data_dir: Path, *args: str, env: dict[str, str] | None = None) -> RetrieverProcess:
         """`env`: variables set on top of the usual environment."""
-        service = start_retriever(
-            data_dir, tmp_path / "retriever.log", *args, env=env
-        )
+        service = start_retriever(data_dir, tmp_path / "retriever.log", *args, env=env)
         started.append(service)
         return service
 

@@ -36,8 +36,12 @@ def test_ingest_returns_content_hash_ids_and_search_finds_the_chunk(client):
     results = client.post(
         "/v1/search", json={"query": "What colour was the Varnholm lighthouse?", "top_k": 3}
     ).json()["results"]
-    assert results[0] == {"chunk_id": sha[:32], "doc_id": sha[:32], "score": pytest.approx(
-        results[0]["score"]), "text": text}
+    assert results[0] == {
+        "chunk_id": sha[:32],
+        "doc_id": sha[:32],
+        "score": pytest.approx(results[0]["score"]),
+        "text": text,
+    }
     assert 0.3 < results[0]["score"] <= 1.0
 
 
@@ -50,7 +54,10 @@ def test_reingesting_the_same_document_creates_nothing_new(client):
     assert again["doc_id"] == first["doc_id"] and again["chunk_ids"] == first["chunk_ids"]
     assert again["status"] == "unchanged"
     assert (after["documents"], after["chunks"], after["index_vectors"]) == (
-        before["documents"], before["chunks"], before["index_vectors"])
+        before["documents"],
+        before["chunks"],
+        before["index_vectors"],
+    )
 
 
 def test_ingesting_new_text_under_an_existing_id_replaces_its_chunks(client):
@@ -72,7 +79,7 @@ def test_long_document_is_chunked_into_substrings_within_the_token_budget(client
     detail = client.get(f"/v1/documents/{body['doc_id']}").json()
     assert detail["num_chunks"] == len(body["chunk_ids"]) > 5
     for chunk in detail["chunks"]:
-        assert text[chunk["start_char"]:chunk["end_char"]] == chunk["text"]
+        assert text[chunk["start_char"] : chunk["end_char"]] == chunk["text"]
         assert chunk["num_tokens"] <= 128  # the shared service runs with --chunk-tokens 128
         assert chunk["chunk_id"] == hashlib.sha256(chunk["text"].encode()).hexdigest()[:32]
 
@@ -103,15 +110,23 @@ def test_delete_removes_the_document_its_chunks_and_vectors(client):
 def test_search_filters_by_doc_ids_and_min_score(client):
     a = _ingest(client, _unique("Apples grow in the Tarnow orchard."))
     b = _ingest(client, _unique("Pears grow in the Tarnow orchard."))
-    results = client.post("/v1/search", json={
-        "query": "Tarnow orchard", "top_k": 10, "doc_ids": [b["doc_id"]]}).json()["results"]
+    results = client.post(
+        "/v1/search", json={"query": "Tarnow orchard", "top_k": 10, "doc_ids": [b["doc_id"]]}
+    ).json()["results"]
     assert [r["doc_id"] for r in results] == [b["doc_id"]]
-    results = client.post("/v1/search", json={
-        "query": "Tarnow orchard", "top_k": 10, "min_score": 0.99}).json()["results"]
+    results = client.post(
+        "/v1/search", json={"query": "Tarnow orchard", "top_k": 10, "min_score": 0.99}
+    ).json()["results"]
     assert results == []
-    results = client.post("/v1/search", json={
-        "query": "Tarnow orchard apples", "top_k": 2, "doc_ids": [a["doc_id"], b["doc_id"]],
-        "min_score": 0.2}).json()["results"]
+    results = client.post(
+        "/v1/search",
+        json={
+            "query": "Tarnow orchard apples",
+            "top_k": 2,
+            "doc_ids": [a["doc_id"], b["doc_id"]],
+            "min_score": 0.2,
+        },
+    ).json()["results"]
     assert [r["doc_id"] for r in results][0] == a["doc_id"]
     assert all(r["score"] >= 0.2 for r in results)
 
@@ -121,8 +136,12 @@ def test_search_filters_by_doc_ids_and_min_score(client):
     [
         ("notes.txt", b"Plain text about TAG.", "Plain text about TAG."),
         ("notes.md", b"# TAG\n\nMarkdown body.", "# TAG\n\nMarkdown body."),
-        ("page.html", b"<html><head><title>U</title><script>x()</script></head>"
-                      b"<body><p>HTML <i>about</i> TAG.</p></body></html>", "HTML about TAG."),
+        (
+            "page.html",
+            b"<html><head><title>U</title><script>x()</script></head>"
+            b"<body><p>HTML <i>about</i> TAG.</p></body></html>",
+            "HTML about TAG.",
+        ),
     ],
 )
 def test_uploaded_files_are_extracted_and_keep_their_metadata(
@@ -130,7 +149,8 @@ def test_uploaded_files_are_extracted_and_keep_their_metadata(
 ):
     tag = f"Ulvik{uuid.uuid4().hex[:6]}"
     response = client.post(
-        "/v1/documents", files={"file": (filename, content.replace(b"TAG", tag.encode()))},
+        "/v1/documents",
+        files={"file": (filename, content.replace(b"TAG", tag.encode()))},
         data={"metadata": json.dumps({"origin": "upload"})},
     )
     assert response.status_code == 200, response.text
@@ -143,8 +163,11 @@ def test_uploaded_files_are_extracted_and_keep_their_metadata(
 def test_uploaded_pdf_is_extracted_page_by_page(client, pdf_bytes):
     marker = uuid.uuid4().hex[:6]
     pdf = pdf_bytes([f"Page one {marker}.", f"Page two {marker}."])
-    response = client.post("/v1/documents", files={"file": ("doc.pdf", pdf, "application/pdf")},
-                           data={"id": f"pdf-{marker}"})
+    response = client.post(
+        "/v1/documents",
+        files={"file": ("doc.pdf", pdf, "application/pdf")},
+        data={"id": f"pdf-{marker}"},
+    )
     assert response.status_code == 200, response.text
     detail = client.get(f"/v1/documents/pdf-{marker}").json()
     assert detail["metadata"]["pages"] == 2
@@ -156,21 +179,43 @@ def test_uploaded_pdf_is_extracted_page_by_page(client, pdf_bytes):
     [
         ({"url": "/v1/documents", "json": {"text": "   "}}, 422, "text is empty"),
         ({"url": "/v1/documents", "json": {"metadata": {}}}, 422, "text"),
-        ({"url": "/v1/documents", "files": {"file": ("latin.txt", "café".encode("latin-1"))}},
-         422, "latin.txt is not valid UTF-8"),
-        ({"url": "/v1/documents", "files": {"file": ("report.docx", b"PK\x03\x04")}},
-         415, "unsupported file type '.docx'"),
-        ({"url": "/v1/documents", "files": {"file": ("empty.txt", b"  \n")}},
-         422, "empty.txt contains no text"),
+        (
+            {"url": "/v1/documents", "files": {"file": ("latin.txt", "café".encode("latin-1"))}},
+            422,
+            "latin.txt is not valid UTF-8",
+        ),
+        (
+            {"url": "/v1/documents", "files": {"file": ("report.docx", b"PK\x03\x04")}},
+            415,
+            "unsupported file type '.docx'",
+        ),
+        (
+            {"url": "/v1/documents", "files": {"file": ("empty.txt", b"  \n")}},
+            422,
+            "empty.txt contains no text",
+        ),
         ({"url": "/v1/search", "json": {"query": "x", "top_k": 0}}, 422, "top_k"),
         ({"url": "/v1/search", "json": {"query": "x", "top_k": -3}}, 422, "top_k"),
         ({"url": "/v1/search", "json": {"query": "x", "top_k": 51}}, 422, "max_top_k"),
         ({"url": "/v1/search", "json": {"query": " ", "top_k": 3}}, 422, "query is empty"),
-        ({"url": "/v1/search", "json": {"query": "x", "top_k": 3, "doc_ids": ["no-such-doc"]}},
-         404, "unknown doc_id 'no-such-doc'"),
+        (
+            {"url": "/v1/search", "json": {"query": "x", "top_k": 3, "doc_ids": ["no-such-doc"]}},
+            404,
+            "unknown doc_id 'no-such-doc'",
+        ),
     ],
-    ids=["empty-text", "missing-text", "non-utf8-file", "unknown-file-type", "empty-file",
-         "top-k-zero", "top-k-negative", "top-k-above-max", "empty-query", "search-unknown-doc"],
+    ids=[
+        "empty-text",
+        "missing-text",
+        "non-utf8-file",
+        "unknown-file-type",
+        "empty-file",
+        "top-k-zero",
+        "top-k-negative",
+        "top-k-above-max",
+        "empty-query",
+        "search-unknown-doc",
+    ],
 )
 def test_bad_input_gets_a_4xx_whose_detail_names_the_problem(
     client, request_kwargs, status, detail_part
@@ -181,8 +226,10 @@ def test_bad_input_gets_a_4xx_whose_detail_names_the_problem(
 
 
 def test_unknown_doc_id_gets_404_on_delete_and_get(client):
-    for response in (client.delete("/v1/documents/no-such-doc"),
-                     client.get("/v1/documents/no-such-doc")):
+    for response in (
+        client.delete("/v1/documents/no-such-doc"),
+        client.get("/v1/documents/no-such-doc"),
+    ):
         assert response.status_code == 404
         assert response.json()["detail"] == "unknown doc_id 'no-such-doc'"
 
@@ -193,10 +240,15 @@ def test_metrics_expose_search_latency_ingest_counts_and_index_size(client):
     text = client.get("/metrics").text
     health = _health(client)
     assert "ragblend_retriever_search_latency_seconds_bucket" in text
-    for line in (f"ragblend_retriever_index_vectors {float(health['index_vectors'])}",
-                 f"ragblend_retriever_chunks {float(health['chunks'])}"):
+    for line in (
+        f"ragblend_retriever_index_vectors {float(health['index_vectors'])}",
+        f"ragblend_retriever_chunks {float(health['chunks'])}",
+    ):
         assert line in text
-    ingested = next(line for line in text.splitlines()
-                    if line.startswith("ragblend_retriever_documents_ingested_total"))
+    ingested = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("ragblend_retriever_documents_ingested_total")
+    )
     assert float(ingested.split()[-1]) >= 1
     assert "ragblend_retriever_chunks_ingested_total" in text

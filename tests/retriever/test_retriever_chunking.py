@@ -19,8 +19,10 @@ def tokenizer():
 
 def _paragraphs(n: int, sentences: int = 5) -> str:
     return "\n\n".join(
-        " ".join(f"Paragraph {p} sentence {s} mentions the number {p * 31 + s}."
-                 for s in range(sentences))
+        " ".join(
+            f"Paragraph {p} sentence {s} mentions the number {p * 31 + s}."
+            for s in range(sentences)
+        )
         for p in range(n)
     )
 
@@ -30,7 +32,7 @@ def test_every_chunk_is_a_substring_at_its_offsets_and_within_the_token_budget(t
     chunks = chunk_text(text, tokenizer, max_tokens=64)
     assert len(chunks) > 5
     for chunk in chunks:
-        assert text[chunk.start_char:chunk.end_char] == chunk.text
+        assert text[chunk.start_char : chunk.end_char] == chunk.text
         assert 0 < chunk.num_tokens <= 64
         assert len(token_offsets(tokenizer, chunk.text)) <= 64
 
@@ -40,8 +42,8 @@ def test_chunks_cover_the_text_in_order_without_overlap(tokenizer):
     chunks = chunk_text(text, tokenizer, max_tokens=50)
     for before, after in zip(chunks, chunks[1:], strict=False):
         assert before.end_char <= after.start_char
-        assert text[before.end_char:after.start_char].strip() == ""
-    assert "".join(text[c.start_char:c.end_char] for c in chunks).replace(" ", "") == (
+        assert text[before.end_char : after.start_char].strip() == ""
+    assert "".join(text[c.start_char : c.end_char] for c in chunks).replace(" ", "") == (
         text.replace(" ", "").replace("\n", "")
     )
 

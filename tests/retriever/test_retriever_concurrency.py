@@ -15,11 +15,15 @@ NUM_SEARCHES = 24
 async def test_concurrent_ingest_and_search_leave_catalog_and_index_consistent(shared_retriever):
     tag = uuid.uuid4().hex[:8]
     texts = [
-        "\n\n".join(f"Concurrent {tag} document {i} paragraph {p}: the beacon on hill {i} "
-                    f"burns {p} barrels of oil every night." for p in range(8))
+        "\n\n".join(
+            f"Concurrent {tag} document {i} paragraph {p}: the beacon on hill {i} "
+            f"burns {p} barrels of oil every night."
+            for p in range(8)
+        )
         for i in range(NUM_DOCS)
     ]
     async with httpx.AsyncClient(base_url=shared_retriever.url, timeout=120.0) as http:
+
         async def ingest(text: str) -> httpx.Response:
             return await http.post("/v1/documents", json={"text": text})
 
@@ -33,16 +37,21 @@ async def test_concurrent_ingest_and_search_leave_catalog_and_index_consistent(s
         jobs += [search(i) for i in range(NUM_SEARCHES)]
         responses = await asyncio.gather(*jobs)
         assert all(r.status_code == 200 for r in responses), [
-            r.text for r in responses if r.status_code != 200]
+            r.text for r in responses if r.status_code != 200
+        ]
 
-        ingested = [r.json() for r in responses[:NUM_DOCS + 1]]
+        ingested = [r.json() for r in responses[: NUM_DOCS + 1]]
         assert ingested[0]["chunk_ids"] == ingested[-1]["chunk_ids"]
         assert sorted(r["status"] for r in (ingested[0], ingested[-1])) == ["created", "unchanged"]
         for body in ingested[:NUM_DOCS]:
             detail = (await http.get(f"/v1/documents/{body['doc_id']}")).json()
             assert [c["chunk_id"] for c in detail["chunks"]] == body["chunk_ids"]
-            found = (await http.post("/v1/search", json={
-                "query": "beacon oil", "top_k": 50, "doc_ids": [body["doc_id"]]})).json()
+            found = (
+                await http.post(
+                    "/v1/search",
+                    json={"query": "beacon oil", "top_k": 50, "doc_ids": [body["doc_id"]]},
+                )
+            ).json()
             assert len(found["results"]) == len(set(body["chunk_ids"]))
         health = (await http.get("/health")).json()
         assert health["index_vectors"] == health["chunks"]

@@ -9,8 +9,9 @@ import time
 
 import httpx
 
-BASELINE = [f"Baseline fact {i}: the tower of Ravensholm {i} is {40 + i} metres tall."
-            for i in range(5)]
+BASELINE = [
+    f"Baseline fact {i}: the tower of Ravensholm {i} is {40 + i} metres tall." for i in range(5)
+]
 # ~2,000 chunks of at most 64 tokens: embedding them takes seconds, so the kill lands mid-way.
 LARGE_DOC = "\n\n".join(
     f"Ledger entry {i}: the granary at Holmfjord stored {i * 17 % 1000} sacks of barley, "
@@ -31,8 +32,9 @@ def test_kill_during_a_large_ingest_leaves_the_document_whole_or_absent(spawn_re
     args = ("--index", "hnsw", "--chunk-tokens", "64")
     first = spawn_retriever(data_dir, *args)
     with first.client() as http:
-        baseline_ids = [http.post("/v1/documents", json={"text": t}).json()["doc_id"]
-                        for t in BASELINE]
+        baseline_ids = [
+            http.post("/v1/documents", json={"text": t}).json()["doc_id"] for t in BASELINE
+        ]
 
     outcome: dict[str, object] = {}
 
@@ -40,7 +42,8 @@ def test_kill_during_a_large_ingest_leaves_the_document_whole_or_absent(spawn_re
         try:
             with first.client(timeout_s=300) as http:
                 outcome["response"] = http.post(
-                    "/v1/documents", json={"text": LARGE_DOC, "id": "large"})
+                    "/v1/documents", json={"text": LARGE_DOC, "id": "large"}
+                )
         except httpx.HTTPError as exc:
             outcome["error"] = exc
 

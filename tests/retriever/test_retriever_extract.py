@@ -16,9 +16,11 @@ def test_text_and_markdown_are_decoded_as_utf8_without_bom():
 
 
 def test_html_keeps_visible_text_with_blocks_as_paragraphs_and_the_title():
-    html = (b"<html><head><title>Page T</title><style>p {color: red}</style></head><body>"
-            b"<h1>Heading</h1><p>Hello <b>bold</b> world</p><script>alert('x')</script>"
-            b"<ul><li>one</li><li>two</li></ul>line<br>break</body></html>")
+    html = (
+        b"<html><head><title>Page T</title><style>p {color: red}</style></head><body>"
+        b"<h1>Heading</h1><p>Hello <b>bold</b> world</p><script>alert('x')</script>"
+        b"<ul><li>one</li><li>two</li></ul>line<br>break</body></html>"
+    )
     doc = extract_text("page.html", html)
     assert doc.text == "Heading\n\nHello bold world\n\none\n\ntwo\n\nline\nbreak"
     assert doc.metadata["title"] == "Page T"

@@ -9,8 +9,10 @@ import httpx
 
 from retriever.service import INDEX_FILE
 
-FACTS = [f"Station {i} of the Norrland survey recorded {i * 13 % 97} millimetres of rain in "
-         f"{1950 + i}." for i in range(30)]
+FACTS = [
+    f"Station {i} of the Norrland survey recorded {i * 13 % 97} millimetres of rain in {1950 + i}."
+    for i in range(30)
+]
 QUERIES = ["rain at station 4", "Norrland survey 1963", "station 17 millimetres", "rainfall"]
 
 

@@ -11,27 +11,94 @@ NUM_DOCS_PER_KIND = 50
 NUM_QUESTIONS = 50
 MIN_RECALL_AT_5 = 0.9
 
-SYLLABLES = ["bra", "dol", "fen", "gar", "hul", "kor", "lim", "mas", "nor", "pel", "quin",
-             "ros", "sav", "tor", "ulm", "vek", "wen", "yar", "zol", "cas", "dre", "mir"]
-PEOPLE = ["Ada Lindqvist", "Bruno Castell", "Clara Oyelaran", "Dmitri Varga", "Elena Ruiz",
-          "Farid Haddad", "Greta Nakamura", "Hugo Mbeki", "Ines Kowalski", "Jonas Achterberg"]
-PRODUCTS = ["copper kettles", "wool blankets", "glass lenses", "rope ladders", "clay tiles",
-            "silk scarves", "brass bells", "oak barrels", "paper lanterns", "iron anchors"]
-PLACES = ["the Saltmarsh Reef", "Cape Norrow", "the Bellan Strait", "Grey Island",
-          "the Ostmark Shoals", "Port Elvin", "the Amber Banks", "Haldor Point"]
-COMPOUNDS = ["a blue phosphor", "a heat-stable enzyme", "a new alloy of tin",
-             "a soluble silicate", "a bright red dye", "a slow-burning fuel"]
+SYLLABLES = [
+    "bra",
+    "dol",
+    "fen",
+    "gar",
+    "hul",
+    "kor",
+    "lim",
+    "mas",
+    "nor",
+    "pel",
+    "quin",
+    "ros",
+    "sav",
+    "tor",
+    "ulm",
+    "vek",
+    "wen",
+    "yar",
+    "zol",
+    "cas",
+    "dre",
+    "mir",
+]
+PEOPLE = [
+    "Ada Lindqvist",
+    "Bruno Castell",
+    "Clara Oyelaran",
+    "Dmitri Varga",
+    "Elena Ruiz",
+    "Farid Haddad",
+    "Greta Nakamura",
+    "Hugo Mbeki",
+    "Ines Kowalski",
+    "Jonas Achterberg",
+]
+PRODUCTS = [
+    "copper kettles",
+    "wool blankets",
+    "glass lenses",
+    "rope ladders",
+    "clay tiles",
+    "silk scarves",
+    "brass bells",
+    "oak barrels",
+    "paper lanterns",
+    "iron anchors",
+]
+PLACES = [
+    "the Saltmarsh Reef",
+    "Cape Norrow",
+    "the Bellan Strait",
+    "Grey Island",
+    "the Ostmark Shoals",
+    "Port Elvin",
+    "the Amber Banks",
+    "Haldor Point",
+]
+COMPOUNDS = [
+    "a blue phosphor",
+    "a heat-stable enzyme",
+    "a new alloy of tin",
+    "a soluble silicate",
+    "a bright red dye",
+    "a slow-burning fuel",
+]
 
 # (document template, question template, kind); {n} is a unique invented name.
 KINDS = [
-    ("{n} is a town on the river {r}. It was founded in {y} by {p}, and its market is "
-     "known for {prod}.", "Who founded the town of {n}?"),
-    ("{n} Industries is a company that makes {prod}. Its headquarters are in the city of {c}, "
-     "and its chief executive is {p}.", "Who is the chief executive of {n} Industries?"),
-    ("The {n} was a cargo ship launched in {y}. Her captain was {p}, and she sank near {pl} "
-     "during a winter storm.", "Where did the cargo ship {n} sink?"),
-    ("Dr. {n} is a chemist who discovered {comp} in {y} while working in a laboratory in {c}.",
-     "What did the chemist Dr. {n} discover?"),
+    (
+        "{n} is a town on the river {r}. It was founded in {y} by {p}, and its market is "
+        "known for {prod}.",
+        "Who founded the town of {n}?",
+    ),
+    (
+        "{n} Industries is a company that makes {prod}. Its headquarters are in the city of {c}, "
+        "and its chief executive is {p}.",
+        "Who is the chief executive of {n} Industries?",
+    ),
+    (
+        "The {n} was a cargo ship launched in {y}. Her captain was {p}, and she sank near {pl} "
+        "during a winter storm.",
+        "Where did the cargo ship {n} sink?",
+    ),
+    (
+        "Dr. {n} is a chemist who discovered {comp} in {y} while working in a laboratory in {c}.",
+        "What did the chemist Dr. {n} discover?",
+    ),
 ]
 
 
@@ -45,8 +112,12 @@ def _corpus(rng: random.Random) -> tuple[list[str], list[tuple[str, int]]]:
     for i, name in enumerate(ordered):
         template, question = KINDS[i % len(KINDS)]
         fields = {
-            "n": name, "y": rng.randint(1600, 1990), "p": rng.choice(PEOPLE),
-            "prod": rng.choice(PRODUCTS), "pl": rng.choice(PLACES), "comp": rng.choice(COMPOUNDS),
+            "n": name,
+            "y": rng.randint(1600, 1990),
+            "p": rng.choice(PEOPLE),
+            "prod": rng.choice(PRODUCTS),
+            "pl": rng.choice(PLACES),
+            "comp": rng.choice(COMPOUNDS),
             "r": "".join(rng.sample(SYLLABLES, 2)).capitalize(),
             "c": "".join(rng.sample(SYLLABLES, 2)).capitalize(),
         }

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
+from common.errors import error_body
+from common.sse import sse
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep
 from engine.api.schemas import GenerateBody, GenerateResponse
-from engine.errors import GenerationCancelled, QueueFullError
+from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
 from engine.streaming import Generation
 from engine.types import GenerateResult, Mode
 
 router = APIRouter()
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
-
-
-def sse(event: str, payload: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(payload)}\n\n"
 
 
 @router.post("/v1/generate", response_model=GenerateResponse)
@@ -44,7 +41,7 @@ async def generate(
         raise HTTPException(
             429, detail=f"engine busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
         ) from exc
-    except ValueError as exc:
+    except InvalidRequestError as exc:
         raise HTTPException(422, detail=str(exc)) from exc
 
     if body.stream:
@@ -80,13 +77,13 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
         async for event in generation:
             if isinstance(event, GenerateResult):
                 _record(metrics, mode, event)
-                yield sse("result", GenerateResponse.from_result(event).model_dump())
+                yield sse(GenerateResponse.from_result(event).model_dump(), "result")
             elif event.text:
-                yield sse("delta", {"text": event.text})
+                yield sse({"text": event.text}, "delta")
     except Exception as exc:
         log.exception("generation failed")
         metrics.errors.labels("generation").inc()
-        yield sse("error", {"detail": f"generation failed: {exc}"})
+        yield sse(error_body(f"generation failed: {exc}"), "error")
     finally:
         generation.cancel()
 

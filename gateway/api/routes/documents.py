@@ -24,20 +24,26 @@ async def create_document(
     """Returns once the retriever has indexed the document; poll GET /v1/documents/{doc_id}
     until `precompute.status` is `ready` (or `failed`)."""
     created = await pipeline.retriever.ingest(
-        await request.body(), request.headers.get("content-type", "application/json"),
+        await request.body(),
+        request.headers.get("content-type", "application/json"),
         request_id=request_id,
     )
     status = ingest.start(created["doc_id"], request_id=request_id)
     return DocumentCreated(
-        doc_id=created["doc_id"], chunk_ids=created["chunk_ids"], status=created["status"],
-        num_tokens=created.get("num_tokens"), precompute=PrecomputeOut.of(status),
+        doc_id=created["doc_id"],
+        chunk_ids=created["chunk_ids"],
+        status=created["status"],
+        num_tokens=created.get("num_tokens"),
+        precompute=PrecomputeOut.of(status),
     )
 
 
 @router.get("", response_model=DocumentList)
 async def list_documents(
-    pipeline: PipelineDep, request_id: RequestIdDep,
-    limit: int = Query(1000, ge=1, le=100_000), offset: int = Query(0, ge=0),
+    pipeline: PipelineDep,
+    request_id: RequestIdDep,
+    limit: int = Query(1000, ge=1, le=100_000),
+    offset: int = Query(0, ge=0),
 ) -> DocumentList:
     return DocumentList(
         **await pipeline.retriever.list_documents(limit, offset, request_id=request_id)

@@ -14,8 +14,7 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health")
 async def health(settings: SettingsDep) -> dict:
-    return {"status": "ok", "retriever": settings.retriever_url,
-            "engines": settings.engine_urls}
+    return {"status": "ok", "retriever": settings.retriever_url, "engines": settings.engine_urls}
 
 
 @router.get("/ready")
@@ -29,11 +28,17 @@ async def ready(pipeline: PipelineDep, request_id: RequestIdDep) -> dict:
     engines = await pipeline.engines.healthy_urls(request_id=request_id)
     if not engines:
         raise HTTPException(
-            503, detail="engine not ready: none of " + ", ".join(pipeline.engines.urls)
+            503,
+            detail="engine not ready: none of "
+            + ", ".join(pipeline.engines.urls)
             + " answers /health",
         )
-    return {"status": "ready", "engines_up": engines, "documents": retriever.get("documents"),
-            "chunks": retriever.get("chunks")}
+    return {
+        "status": "ready",
+        "engines_up": engines,
+        "documents": retriever.get("documents"),
+        "chunks": retriever.get("chunks"),
+    }
 
 
 @router.get("/metrics")

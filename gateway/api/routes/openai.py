@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from common.sse import sse
 from gateway.api.deps import (
     PipelineDep,
     SettingsDep,
@@ -36,12 +37,11 @@ from gateway.api.streaming import (
     SSE_HEADERS,
     collect_unless_disconnected,
     open_generation,
-    sse,
 )
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import Pipeline, TimedStream
 from gateway.settings import GatewaySettings
-from gateway.types import Generation, Outcome, Source
+from gateway.types import EngineRequest, EngineResult, Source
 
 router = APIRouter(tags=["openai"])
 log = logging.getLogger(__name__)
@@ -58,7 +58,9 @@ async def models(settings: SettingsDep) -> ModelList:
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def chat_completions(
-    body: ChatCompletionRequest, request: Request, pipeline: PipelineDep,
+    body: ChatCompletionRequest,
+    request: Request,
+    pipeline: PipelineDep,
     settings: SettingsDep,
 ):
     users = [m for m in body.messages if m.role == "user" and m.text.strip()]
@@ -71,9 +73,15 @@ async def chat_completions(
 
     def chunk(text: str | None, finish_reason: str | None) -> dict:
         delta = {} if text is None else {"content": text}
-        return {"id": completion_id, "object": "chat.completion.chunk", "created": run.created,
-                "model": run.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                 "finish_reason": finish_reason}]}
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": run.created,
+            "model": run.model,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
 
     if body.stream:
         first = chunk("", None)
@@ -81,10 +89,17 @@ async def chat_completions(
         return run.streaming_response(chunk, first, body.include_usage)
     outcome = await run.collect(request)
     return ChatCompletionResponse(
-        id=completion_id, created=run.created, model=run.model,
-        choices=[ChatChoice(message={"role": "assistant", "content": outcome.text},
-                            finish_reason=_finish(outcome))],
-        usage=OpenAIUsage.of(outcome.usage), rag=run.rag_info(outcome),
+        id=completion_id,
+        created=run.created,
+        model=run.model,
+        choices=[
+            ChatChoice(
+                message={"role": "assistant", "content": outcome.text},
+                finish_reason=_finish(outcome),
+            )
+        ],
+        usage=OpenAIUsage.of(outcome.usage),
+        rag=run.rag_info(outcome),
     )
 
 
@@ -99,34 +114,52 @@ async def completions(
     completion_id = f"cmpl-{uuid.uuid4().hex}"
 
     def chunk(text: str | None, finish_reason: str | None) -> dict:
-        return {"id": completion_id, "object": "text_completion", "created": run.created,
-                "model": run.model, "choices": [{"index": 0, "text": text or "",
-                                                 "logprobs": None,
-                                                 "finish_reason": finish_reason}]}
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": run.created,
+            "model": run.model,
+            "choices": [
+                {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            ],
+        }
 
     if body.stream:
         return run.streaming_response(chunk, None, body.include_usage)
     outcome = await run.collect(request)
     return CompletionResponse(
-        id=completion_id, created=run.created, model=run.model,
+        id=completion_id,
+        created=run.created,
+        model=run.model,
         choices=[CompletionChoice(text=outcome.text, finish_reason=_finish(outcome))],
-        usage=OpenAIUsage.of(outcome.usage), rag=run.rag_info(outcome),
+        usage=OpenAIUsage.of(outcome.usage),
+        rag=run.rag_info(outcome),
     )
 
 
 async def _start(
-    pipeline: Pipeline, body: ChatCompletionRequest | CompletionRequest, question: str,
-    system: str | None, request: Request, settings: GatewaySettings,
+    pipeline: Pipeline,
+    body: ChatCompletionRequest | CompletionRequest,
+    question: str,
+    system: str | None,
+    request: Request,
+    settings: GatewaySettings,
 ) -> _Run:
     top_k = resolve_top_k(body.rag.top_k, settings)
     max_tokens = resolve_max_tokens(body.token_limit, settings)
     sources, _ = await pipeline.retrieve(
         question, top_k, body.rag.doc_ids, request_id=request.state.request_id
     )
-    generation = Generation(
-        question=question, sources=tuple(sources), mode=body.rag.mode,
-        recompute_ratio=body.rag.recompute_ratio, max_tokens=max_tokens,
-        temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_list,
+    generation = EngineRequest(
+        question=question,
+        sources=tuple(sources),
+        mode=body.rag.mode,
+        recompute_ratio=body.rag.recompute_ratio,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_list,
         system=system,
     )
     stream, stack = await open_generation(pipeline, generation, request)
@@ -137,22 +170,28 @@ class _Run:
     """One open generation of an OpenAI route, answered as JSON or as a chunk stream."""
 
     def __init__(
-        self, stream: TimedStream, stack: AsyncExitStack, sources: list[Source], mode: str,
+        self,
+        stream: TimedStream,
+        stack: AsyncExitStack,
+        sources: list[Source],
+        mode: str,
         model: str,
     ):
         self.stream, self.stack, self.sources = stream, stack, sources
         self.mode, self.model = mode, model
         self.created = int(time.time())
 
-    def rag_info(self, outcome: Outcome) -> RagInfo:
+    def rag_info(self, outcome: EngineResult) -> RagInfo:
         timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
         return RagInfo(
-            sources=[SourceOut.of(s) for s in self.sources], mode=self.mode,
-            recomputed_tokens=outcome.usage["recomputed_tokens"], engine=outcome.engine_url,
+            sources=[SourceOut.of(s) for s in self.sources],
+            mode=self.mode,
+            recomputed_tokens=outcome.usage["recomputed_tokens"],
+            engine=outcome.engine_url,
             timings={**timings, "gateway_ttft_s": self.stream.ttft_s},
         )
 
-    async def collect(self, request: Request) -> Outcome:
+    async def collect(self, request: Request) -> EngineResult:
         async with self.stack:
             outcome = await collect_unless_disconnected(self.stream, request)
         if outcome is None:
@@ -163,7 +202,8 @@ class _Run:
         self, chunk: ChunkOf, first: dict | None, include_usage: bool
     ) -> StreamingResponse:
         return StreamingResponse(
-            self._chunks(chunk, first, include_usage), media_type="text/event-stream",
+            self._chunks(chunk, first, include_usage),
+            media_type="text/event-stream",
             headers={**SSE_HEADERS, "X-RAGBlend-Engine": self.stream.engine_url},
             background=BackgroundTask(self.stack.aclose),
         )
@@ -181,7 +221,7 @@ class _Run:
                 yield framed(first)
             try:
                 async for event in self.stream.events():
-                    if isinstance(event, Outcome):
+                    if isinstance(event, EngineResult):
                         yield framed(chunk(None, _finish(event)))
                         if include_usage:
                             last = chunk(None, None)
@@ -197,5 +237,5 @@ class _Run:
             yield "data: [DONE]\n\n"
 
 
-def _finish(outcome: Outcome) -> str:
+def _finish(outcome: EngineResult) -> str:
     return outcome.finish_reason if outcome.finish_reason in FINISH_REASONS else "stop"

@@ -12,6 +12,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from common.errors import error_body
+from common.sse import sse
 from gateway.api.deps import (
     PipelineDep,
     RequestIdDep,
@@ -24,11 +26,10 @@ from gateway.api.streaming import (
     SSE_HEADERS,
     collect_unless_disconnected,
     open_generation,
-    sse,
 )
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import TimedStream
-from gateway.types import Generation, Outcome, Source
+from gateway.types import EngineRequest, EngineResult, Source
 
 router = APIRouter(tags=["query"])
 log = logging.getLogger(__name__)
@@ -36,7 +37,10 @@ log = logging.getLogger(__name__)
 
 @router.post("/v1/query", response_model=QueryResponse)
 async def query(
-    body: QueryRequest, request: Request, pipeline: PipelineDep, settings: SettingsDep,
+    body: QueryRequest,
+    request: Request,
+    pipeline: PipelineDep,
+    settings: SettingsDep,
     request_id: RequestIdDep,
 ):
     top_k = resolve_top_k(body.top_k, settings)
@@ -44,23 +48,34 @@ async def query(
     sources, retrieval_s = await pipeline.retrieve(
         body.question, top_k, body.doc_ids, request_id=request_id
     )
-    generation = Generation(
-        question=body.question, sources=tuple(sources), mode=body.mode,
-        recompute_ratio=body.recompute_ratio, max_tokens=max_tokens,
-        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+    generation = EngineRequest(
+        question=body.question,
+        sources=tuple(sources),
+        mode=body.mode,
+        recompute_ratio=body.recompute_ratio,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
         stop=tuple(body.stop or ()),
     )
     stream, stack = await open_generation(pipeline, generation, request)
 
-    def response(outcome: Outcome) -> QueryResponse:
+    def response(outcome: EngineResult) -> QueryResponse:
         return QueryResponse.of(
-            outcome, body.mode, sources, retrieval_s=retrieval_s, ttft_s=stream.ttft_s,
-            total_s=time.perf_counter() - request.state.arrived_at, request_id=request_id,
+            outcome,
+            body.mode,
+            sources,
+            retrieval_s=retrieval_s,
+            ttft_s=stream.ttft_s,
+            total_s=time.perf_counter() - request.state.arrived_at,
+            request_id=request_id,
         )
 
     if body.stream:
         return StreamingResponse(
-            _events(stream, stack, sources, response), media_type="text/event-stream",
+            _events(stream, stack, sources, response),
+            media_type="text/event-stream",
             headers={**SSE_HEADERS, "X-RAGBlend-Engine": stream.engine_url},
             background=BackgroundTask(stack.aclose),
         )
@@ -78,10 +93,10 @@ async def _events(
         yield sse({"sources": [SourceOut.of(s).model_dump() for s in sources]}, "sources")
         try:
             async for event in stream.events():
-                if isinstance(event, Outcome):
+                if isinstance(event, EngineResult):
                     yield sse(response(event).model_dump(), "result")
                 elif event.text:
                     yield sse({"text": event.text}, "delta")
         except GatewayDependencyError as exc:
             log.warning("stream failed: %s", exc)
-            yield sse({"detail": str(exc)}, "error")
+            yield sse(error_body(str(exc)), "error")

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.types import Outcome, Source
+from gateway.types import EngineResult, Source
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
 
@@ -44,8 +44,9 @@ class SourceOut(BaseModel):
 
     @classmethod
     def of(cls, source: Source) -> SourceOut:
-        return cls(chunk_id=source.chunk_id, doc_id=source.doc_id, score=source.score,
-                   text=source.text)
+        return cls(
+            chunk_id=source.chunk_id, doc_id=source.doc_id, score=source.score, text=source.text
+        )
 
 
 class UsageOut(BaseModel):
@@ -76,8 +77,15 @@ class QueryResponse(BaseModel):
 
     @classmethod
     def of(
-        cls, outcome: Outcome, mode: str, sources: list[Source], *, retrieval_s: float,
-        ttft_s: float | None, total_s: float, request_id: str,
+        cls,
+        outcome: EngineResult,
+        mode: str,
+        sources: list[Source],
+        *,
+        retrieval_s: float,
+        ttft_s: float | None,
+        total_s: float,
+        request_id: str,
     ) -> QueryResponse:
         engine_timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
         return cls(

@@ -17,9 +17,13 @@ router = APIRouter(tags=["health"])
 async def health(service: ServiceDep) -> HealthResponse:
     stats = await run_in_threadpool(service.stats)
     return HealthResponse(
-        status="ok", documents=stats.documents, chunks=stats.chunks,
-        index=service.settings.index, index_vectors=stats.index_vectors,
-        embedding_model=service.embedder.info.model, chunk_tokens=service.settings.chunk_tokens,
+        status="ok",
+        documents=stats.documents,
+        chunks=stats.chunks,
+        index=service.settings.index,
+        index_vectors=stats.index_vectors,
+        embedding_model=service.embedder.info.model,
+        chunk_tokens=service.settings.chunk_tokens,
     )
 
 

@@ -4,7 +4,7 @@ Layer 0 gets relative-position heads that copy the token a fixed number of place
 a head that matches those copies against the question's, so that from step 0 `Answer:` attends
 to the value of the asked fact, named or stated by pronoun; layer 2 a head that looks the found
 value up again (the second hop of a multi-hop question). It relies on the corpus templates
-(corpus.py: the offsets) and is explained in engine/demo/README.md. Training refines every weight.
+(corpus.py: the offsets) and is explained in demo/README.md. Training refines every weight.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo.corpus import (
+from demo.corpus import (
     CITY_RELATIONS,
     HOP_RELATION_OFFSET,
     MULTI_QUESTIONS,
@@ -27,8 +27,13 @@ from engine.prompt import PromptBuilder
 
 # Copies made by layer 0, with how far back each looks. "mark" keeps only whether the token just
 # before is " is", which precedes every fact's value (and, in a question, "the").
-OFFSETS = {"subject": SUBJECT_OFFSET, "relation": SUBJECT_OFFSET + 2, "referent": REFERENT_OFFSET,
-           "hop": HOP_RELATION_OFFSET, "mark": 1}  # fmt: skip
+OFFSETS = {
+    "subject": SUBJECT_OFFSET,
+    "relation": SUBJECT_OFFSET + 2,
+    "referent": REFERENT_OFFSET,
+    "hop": HOP_RELATION_OFFSET,
+    "mark": 1,
+}
 SPACES = ("subject", "relation", "referent", "hop", "found")
 
 
@@ -72,27 +77,46 @@ class _Layout:
 
 
 @torch.no_grad()
-def install(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
-            circuit: Circuit = Circuit()) -> None:  # fmt: skip
+def install(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, circuit: Circuit = Circuit()
+) -> None:
     """Overwrite the freshly initialised `model` in place: embeddings and layers 0-2."""
     config = model.config
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     if layers < 2 + circuit.second_hop or heads < len(OFFSETS):
-        raise ValueError(f"the circuit needs {2 + circuit.second_hop} layers and "
-                         f"{len(OFFSETS)} heads; the model has {layers} and {heads}")  # fmt: skip
+        raise ValueError(
+            f"the circuit needs {2 + circuit.second_hop} layers and "
+            f"{len(OFFSETS)} heads; the model has {layers} and {heads}"
+        )
     layout = _layout(model, circuit)
     _embeddings(model, tokenizer, layout, circuit.seed)
     _positional_heads(model, circuit, layout)
     _keep_out(model, layout, 0, len(OFFSETS))
     stats = _calibrate(model, tokenizer, layout, layer=1)
-    _lookup(model, circuit, layout, stats, 1, ask="subject", ask_relation="relation",
-            hand_over=circuit.second_hop)  # fmt: skip
+    _lookup(
+        model,
+        circuit,
+        layout,
+        stats,
+        1,
+        ask="subject",
+        ask_relation="relation",
+        hand_over=circuit.second_hop,
+    )
     _keep_out(model, layout, 1, _group(model))
     if circuit.second_hop:
         stats = _calibrate(model, tokenizer, layout, layer=2)
         # Layer 1 hands its find over at found_scale where a copy has copy_scale.
-        _lookup(model, circuit, layout, stats, 2, ask="found", ask_relation="hop",
-                ask_scale=circuit.copy_scale / circuit.found_scale)  # fmt: skip
+        _lookup(
+            model,
+            circuit,
+            layout,
+            stats,
+            2,
+            ask="found",
+            ask_relation="hop",
+            ask_scale=circuit.copy_scale / circuit.found_scale,
+        )
         _keep_out(model, layout, 2, 0)
 
 
@@ -113,8 +137,9 @@ def _layout(model, circuit: Circuit) -> _Layout:
     hidden, head_dim = model.config.hidden_size, _head_dim(model)
     generator = torch.Generator().manual_seed(circuit.seed)
     basis = torch.linalg.qr(torch.randn(hidden, hidden, generator=generator))[0].T
-    spaces = {name: basis[1 + i * head_dim : 1 + (i + 1) * head_dim]
-              for i, name in enumerate(SPACES)}  # fmt: skip
+    spaces = {
+        name: basis[1 + i * head_dim : 1 + (i + 1) * head_dim] for i, name in enumerate(SPACES)
+    }
     at = 1 + len(SPACES) * head_dim
     if at + 1 + head_dim > hidden:
         raise ValueError(f"the circuit needs a hidden size of {at + 1 + head_dim}, not {hidden}")
@@ -124,15 +149,23 @@ def _layout(model, circuit: Circuit) -> _Layout:
     needed = circuit.relation_pairs + 3
     if len(slow) < needed:
         base = model.config.rope_parameters["rope_theta"]
-        raise ValueError(f"rope_theta {base:g} leaves {len(slow)} slow RoPE pairs; "
-                         f"the lookups need {needed}")  # fmt: skip
+        raise ValueError(
+            f"rope_theta {base:g} leaves {len(slow)} slow RoPE pairs; the lookups need {needed}"
+        )
     relation, subject = slow[1 : 1 + circuit.relation_pairs], slow[1 + circuit.relation_pairs :]
 
     def rows(pairs):
         return torch.tensor(pairs + [p + half for p in pairs])
 
-    return _Layout(basis[0], spaces, basis[at], basis[at + 1 : at + 1 + head_dim],
-                   rows(subject), rows(relation), slow[0])  # fmt: skip
+    return _Layout(
+        basis[0],
+        spaces,
+        basis[at],
+        basis[at + 1 : at + 1 + head_dim],
+        rows(subject),
+        rows(relation),
+        slow[0],
+    )
 
 
 def _subject_coords(layout: _Layout) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Train the demo model: a BPE tokenizer and a small Llama on engine-laid-out prompts.
 
-    python -m engine.demo.train --out engine/demo/model --threads 1     # the shipped recipe
-    python -m engine.demo.train --device cuda --out /tmp/model           # the same, on a GPU
+    python -m demo.train --out demo/model --threads 1     # the shipped recipe
+    python -m demo.train --device cuda --out /tmp/model           # the same, on a GPU
 
 Prompts are built by the engine's own PromptBuilder (prefix | passages | question), so the model
 sees at training time exactly the token layout the engine gives it; each prompt's passages are
@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.demo.circuit import Circuit, install
-from engine.demo.corpus import KINDS, CorpusGenerator, Example, Question
+from demo.circuit import Circuit, install
+from demo.corpus import KINDS, CorpusGenerator, Example, Question
 from engine.prompt import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
 
-log = logging.getLogger("engine.demo.train")
+log = logging.getLogger("demo.train")
 
 # Validation uses its own seed; bench/quality.py's held-out seed is different again.
 VALIDATION_SEED = 999
@@ -94,8 +94,9 @@ class Packed:
     answer_starts: list[int]
 
 
-def encode(builder: PromptBuilder, example: Example, extra: int = 0,
-           rng: random.Random | None = None) -> Packed:  # fmt: skip
+def encode(
+    builder: PromptBuilder, example: Example, extra: int = 0, rng: random.Random | None = None
+) -> Packed:
     """The example's prompt and answer, plus up to `extra` more of the questions its passages
     answer, packed over one shared context (prefix + passages) as the engine lays it out."""
     questions = [Question(example.question, example.answer, example.kind)]
@@ -211,8 +212,9 @@ def optimizers(model: LlamaForCausalLM, args) -> list[torch.optim.Optimizer]:
         torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.05)
     ]
     if matrices:
-        chosen.append(torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.05,
-                                       adjust_lr_fn="original"))  # fmt: skip
+        chosen.append(
+            torch.optim.Muon(matrices, lr=args.muon_lr, weight_decay=0.05, adjust_lr_fn="original")
+        )
     for optimizer in chosen:
         for group in optimizer.param_groups:
             group["peak"] = group["lr"]
@@ -232,7 +234,7 @@ def save(model, tokenizer, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("engine/demo/model"))
+    parser.add_argument("--out", type=Path, default=Path("demo/model"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init", type=Path, default=None, help="continue from this checkpoint")
     parser.add_argument("--steps", type=int, default=3000)
@@ -255,22 +257,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--rope-theta", type=float, default=1e6,
-                        help="RoPE base: the circuit's lookups need slow pairs")  # fmt: skip
-    parser.add_argument("--kind-weights", type=float, nargs=3, default=TRAIN_WEIGHTS,
-                        metavar=("SINGLE", "MULTI", "CONTEXT"),
-                        help="how often each kind of question is drawn")  # fmt: skip
+    parser.add_argument(
+        "--rope-theta",
+        type=float,
+        default=1e6,
+        help="RoPE base: the circuit's lookups need slow pairs",
+    )
+    parser.add_argument(
+        "--kind-weights",
+        type=float,
+        nargs=3,
+        default=TRAIN_WEIGHTS,
+        metavar=("SINGLE", "MULTI", "CONTEXT"),
+        help="how often each kind of question is drawn",
+    )
     parser.add_argument("--aux-weight", type=float, default=0.1)
     parser.add_argument("--short-steps", type=int, default=0, help="steps of short prompts first")
     parser.add_argument("--short-passages", type=int, default=2)
-    parser.add_argument("--questions", type=int, default=4,
-                        help="questions per prompt, packed over its passages")  # fmt: skip
-    parser.add_argument("--documents", type=int, default=0,
-                        help="bare-document rows per batch (see document())")  # fmt: skip
-    parser.add_argument("--circuit", action=argparse.BooleanOptionalAction, default=True,
-                        help="structured init of the fact lookups (circuit.py)")  # fmt: skip
-    parser.add_argument("--second-hop", action=argparse.BooleanOptionalAction, default=True,
-                        help="the structured init also wires the multi-hop lookup")  # fmt: skip
+    parser.add_argument(
+        "--questions", type=int, default=4, help="questions per prompt, packed over its passages"
+    )
+    parser.add_argument(
+        "--documents", type=int, default=0, help="bare-document rows per batch (see document())"
+    )
+    parser.add_argument(
+        "--circuit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="structured init of the fact lookups (circuit.py)",
+    )
+    parser.add_argument(
+        "--second-hop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the structured init also wires the multi-hop lookup",
+    )
     parser.add_argument("--eval-every", type=int, default=500)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -296,8 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     generator = CorpusGenerator(args.seed)
     data_rng = random.Random(args.seed + 2)
     # Short prompts first: the copying heads form sooner on 1-2 passages than on 3-6.
-    short_generator = CorpusGenerator(args.seed + 1, min_passages=1,
-                                      max_passages=args.short_passages)  # fmt: skip
+    short_generator = CorpusGenerator(
+        args.seed + 1, min_passages=1, max_passages=args.short_passages
+    )
     validating = CorpusGenerator(VALIDATION_SEED)
     validation = [validating.example(KINDS[i % 3]) for i in range(240)]
 
@@ -325,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.autocast(args.device.type, dtype=torch.bfloat16):
             answer_loss, rest_loss, _ = losses(model, batch)
         # A small auxiliary loss on the prompt teaches the passage templates; weighted 1.0 it
-        # kept every run on the answer-loss plateau (engine/demo/README.md).
+        # kept every run on the answer-loss plateau (demo/README.md).
         loss = answer_loss + args.aux_weight * rest_loss
         for optimizer in chosen:
             optimizer.zero_grad(set_to_none=True)
@@ -336,18 +358,30 @@ def main(argv: list[str] | None = None) -> None:
         running = 0.98 * running + 0.02 * answer_loss.item() if step else answer_loss.item()
         elapsed_min = (time.monotonic() - started) / 60
         if step % 50 == 0:
-            log.info("step %d loss %.4f lr %.2e %.1f min", step, running,
-                     chosen[0].param_groups[0]["lr"], elapsed_min)  # fmt: skip
+            log.info(
+                "step %d loss %.4f lr %.2e %.1f min",
+                step,
+                running,
+                chosen[0].param_groups[0]["lr"],
+                elapsed_min,
+            )
         last = step == args.steps - 1 or progress >= 1.0
         if (step + 1) % args.eval_every == 0 or last:
             accuracy = teacher_forced_accuracy(model, builder, validation)
-            log.info("step %d validation exact match %s", step,
-                     {k: round(v, 3) for k, v in accuracy.items()})  # fmt: skip
+            log.info(
+                "step %d validation exact match %s",
+                step,
+                {k: round(v, 3) for k, v in accuracy.items()},
+            )
             save(model, tokenizer, args.out)
         if last:
             break
-    log.info("done: %d steps in %.1f min; saved to %s", step + 1,
-             (time.monotonic() - started) / 60, args.out)  # fmt: skip
+    log.info(
+        "done: %d steps in %.1f min; saved to %s",
+        step + 1,
+        (time.monotonic() - started) / 60,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Settings of the engine service: `RAGBLEND_ENGINE_*` environment variables or CLI flags."""
+"""Settings of the engine service: `RAGBLEND_ENGINE_*` environment variables or the CLI flags
+derived from them (common.serving.add_settings_flags)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.types import DEFAULT_RECOMPUTE_RATIO
 
 GIB = 1024**3
 
@@ -19,10 +22,10 @@ class EngineSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     host: str = "127.0.0.1"
     port: int = Field(8002, ge=1, le=65535)
-    store_path: Path | None = Path("data/kv")
+    store_path: Path | None = Field(Path("data/kv"), description="directory of the SSD tier")
     memory_budget_gb: float = Field(2.0, ge=0)
     ssd_budget_gb: float = Field(20.0, ge=0)
-    lookahead: int = Field(2, ge=0)
+    lookahead: int = Field(2, ge=0, description="layers the KV loader runs ahead")
     queue_depth: int = Field(
         16, ge=0, description="requests that may wait beyond the free KV slots; then 429"
     )
@@ -40,10 +43,14 @@ class EngineSettings(BaseSettings):
     max_prefill_tokens: int = Field(
         8192, ge=1, description="prompt tokens admitted per prefill step (decodes run between)"
     )
-    recompute_ratio: float | None = Field(None, ge=0, le=1, description="None: the controller")
-    min_recompute_ratio: float = Field(0.15, ge=0, le=1)
-    check_layers: list[int] = [1]
-    max_tokens_limit: int = Field(4096, ge=1)
+    recompute_ratio: float | None = Field(
+        None, ge=0, le=1, description="fixed ratio; None: the controller chooses"
+    )
+    min_recompute_ratio: float = Field(
+        DEFAULT_RECOMPUTE_RATIO, ge=0, le=1, description="the controller's lowest ratio"
+    )
+    check_layers: list[int] = Field([1], description="check layers, e.g. 1 or 1,2,3")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
     system_prompt: str | None = None
 
     @field_validator("check_layers")

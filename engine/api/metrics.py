@@ -171,13 +171,13 @@ class EngineMetrics:
             self.kv_load_bytes.labels(tier).inc(num_bytes)
         if result.load_bytes_by_tier:
             self.overlap.observe(result.timings.overlap)
-            self.kv_load_seconds.labels(
-                max(result.load_bytes_by_tier, key=result.load_bytes_by_tier.get)
-            ).observe(result.timings.kv_load_s)
-        for tier in result.chunk_tiers:
-            self.kv_lookups.labels("memory", "hit" if tier == "memory" else "miss").inc()
-            if tier != "memory":
-                self.kv_lookups.labels("ssd", "hit" if tier == "ssd" else "miss").inc()
+            by_tier = result.load_bytes_by_tier
+            busiest_tier = max(by_tier, key=lambda tier: by_tier[tier])
+            self.kv_load_seconds.labels(busiest_tier).observe(result.timings.kv_load_s)
+        for chunk_tier in result.chunk_tiers:
+            self.kv_lookups.labels("memory", "hit" if chunk_tier == "memory" else "miss").inc()
+            if chunk_tier != "memory":
+                self.kv_lookups.labels("ssd", "hit" if chunk_tier == "ssd" else "miss").inc()
 
 
 class _LiveState:

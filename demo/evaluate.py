@@ -57,7 +57,7 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class EvalResult:
     config: Config
     prediction: str
     exact_match: float
@@ -88,7 +88,7 @@ def answer(
     configs: Sequence[Config],
     max_tokens: int = 12,
     measure_deviation: bool = True,
-) -> list[Outcome]:
+) -> list[EvalResult]:
     """Answer one question in every config; the chunks' KV is precomputed first."""
     chunks = as_chunks(passages)
     engine.precompute(chunks)
@@ -113,14 +113,16 @@ def answer(
             if config.mode is not Mode.FULL_PREFILL:
                 prefill = engine.prefill(request)
                 deviation = kv_deviation(
-                    prefill.output.keys, prefill.output.values,
-                    reference.output.keys, reference.output.values,
+                    prefill.output.keys,
+                    prefill.output.values,
+                    reference.output.keys,
+                    reference.output.values,
                     reference.layout.chunk_spans,
-                )  # fmt: skip
+                )
             logprob = float(prefill.output.logits.float().log_softmax(-1)[first_token])
         result = engine.generate(request)
         outcomes.append(
-            Outcome(
+            EvalResult(
                 config,
                 result.text.strip(),
                 exact_match(result.text, gold_answer),

@@ -9,7 +9,9 @@ from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-HEADER = b"x-request-id"
+REQUEST_ID_HEADER = "X-Request-ID"
+# ASGI carries header names lower-cased, as bytes.
+HEADER = REQUEST_ID_HEADER.lower().encode("latin-1")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 request_id_var: ContextVar[str] = ContextVar("ragblend_request_id", default="-")
 

@@ -47,7 +47,7 @@ def test_up_without_a_model_says_how_to_set_one(tmp_path, monkeypatch):
     from ragblend.up import UpError, resolve_model
 
     monkeypatch.delenv("RAGBLEND_ENGINE_MODEL", raising=False)
-    monkeypatch.setattr("engine.demo.MODEL_DIR", tmp_path / "missing")
+    monkeypatch.setattr("demo.MODEL_DIR", tmp_path / "missing")
     try:
         resolve_model(None)
     except UpError as exc:

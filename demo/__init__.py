@@ -1,5 +1,5 @@
 """The bundled demo: a small trained Llama-architecture model and sample documents about
-invented entities, the embedded default of `ragblend up` (see engine/demo/README.md)."""
+invented entities, the embedded default of `ragblend up` (see demo/README.md)."""
 
 from pathlib import Path
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 KINDS = ("single", "multi", "context")
 
+# The word lists keep `fmt: skip`: the formatter would spread them over one line per word.
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr",
            "kr", "tr", "th", "sh", "h", "j", "w"]  # fmt: skip
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou"]

@@ -1,0 +1,87 @@
+"""What every `ragblend SERVICE` command does: CLI flags derived from the service's settings
+class, settings from those flags over RAGBLEND_* env vars, then uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
+
+_SCALARS = (int, float, str, Path)
+
+
+def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
+    """One `--flag-name` per field of `settings_class`, with the field's description as help.
+
+    Every flag defaults to None, so that a flag not given leaves the env var or the field's
+    default in force. A list field takes comma-separated values.
+    """
+    for name, info in settings_class.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, help=_help(info), **_argument_type(info.annotation))
+
+
+def _help(info: FieldInfo) -> str:
+    default = "required" if info.is_required() else f"default {info.default}"
+    return f"{info.description} ({default})" if info.description else f"({default})"
+
+
+def _argument_type(annotation: Any) -> dict[str, Any]:
+    """argparse's `type` (and `choices`) for a field annotation."""
+    if get_origin(annotation) is Annotated:
+        return _argument_type(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        (inner,) = [arg for arg in get_args(annotation) if arg is not type(None)]
+        return _argument_type(inner)
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+        return {"type": type(choices[0]), "choices": choices}
+    if get_origin(annotation) is list:
+        (item,) = get_args(annotation)
+        return {"type": _comma_separated(item), "metavar": "A,B,..."}
+    if annotation in _SCALARS:
+        return {"type": annotation}
+    raise TypeError(f"no CLI flag for a setting of type {annotation!r}")
+
+
+def _comma_separated(item: type) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        return [item(part.strip()) for part in text.split(",") if part.strip()]
+
+    return parse
+
+
+def settings_from_args(
+    settings_class: type[BaseSettings], args: argparse.Namespace, command: str
+) -> Any:
+    """The settings, with every flag that was given (not None) overriding its env var."""
+    fields = set(settings_class.model_fields)
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    try:
+        return settings_class(**overrides)
+    except ValidationError as exc:
+        raise SystemExit(f"ragblend {command}: invalid settings:\n{exc}") from None
+
+
+def serve(
+    create_app: Callable[[Any], Any],
+    settings: Any,
+    args: argparse.Namespace,
+    **uvicorn_options: Any,
+) -> int:
+    import uvicorn
+
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level.lower(),
+        **uvicorn_options,
+    )
+    return 0

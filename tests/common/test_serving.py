@@ -1,0 +1,57 @@
+"""The CLI flags of every service are derived from its settings class, so a setting is
+declared once and every setting has a flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from common.serving import add_settings_flags, settings_from_args
+from engine.api.settings import EngineSettings
+from gateway.settings import GatewaySettings
+from ragblend.cli import build_parser
+from retriever.settings import RetrieverSettings
+
+SETTINGS = {"engine": EngineSettings, "gateway": GatewaySettings, "retriever": RetrieverSettings}
+
+
+@pytest.mark.parametrize("command", sorted(SETTINGS))
+def test_every_setting_of_a_service_has_a_flag_of_its_command(command):
+    parser = build_parser()
+    args = parser.parse_args([command])
+    assert set(SETTINGS[command].model_fields) <= set(vars(args))
+
+
+def test_a_flag_not_given_leaves_the_env_var_in_force(monkeypatch):
+    monkeypatch.setenv("RAGBLEND_ENGINE_MODEL", "from-env")
+    monkeypatch.setenv("RAGBLEND_ENGINE_QUEUE_DEPTH", "7")
+    args = build_parser().parse_args(["engine", "--queue-depth", "3"])
+    settings = settings_from_args(EngineSettings, args, "engine")
+    assert (settings.model, settings.queue_depth) == ("from-env", 3)
+
+
+def test_list_flags_take_comma_separated_values_of_the_item_type():
+    args = build_parser().parse_args(["engine", "--model", "m", "--check-layers", "1,2,3"])
+    assert args.check_layers == [1, 2, 3]
+    args = build_parser().parse_args(["gateway", "--engine-urls", "http://a:1, http://b:2"])
+    settings = settings_from_args(GatewaySettings, args, "gateway")
+    assert settings.engine_urls == ["http://a:1", "http://b:2"]
+
+
+def test_a_literal_setting_accepts_only_its_values():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["retriever", "--index", "ivf"])
+
+
+def test_the_field_description_and_default_are_the_flag_help():
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, RetrieverSettings)
+    help_text = " ".join(parser.format_help().split())
+    assert "tokens per chunk (default 512)" in help_text
+
+
+def test_invalid_settings_end_the_command_naming_the_field():
+    args = build_parser().parse_args(["engine", "--model", "m", "--queue-depth", "0"])
+    with pytest.raises(SystemExit, match="queue_depth"):
+        settings_from_args(EngineSettings, args, "engine")

@@ -1,0 +1,74 @@
+"""The prefill plan: each chunk's KV source and the ratio per mode, and the positions computed
+in every layer (plain bookkeeping, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.plan import ChunkSource, plan_prefill
+from engine.prompt import PromptLayout
+from engine.types import Mode
+
+BOS = (1,)
+CHUNKS = ((10, 11, 12), (20, 21), (30, 31, 32, 33))
+SUFFIX = (90, 91)
+
+
+def plan(mode, cached=(True, True, True), prefix=(1, 5, 6), prefix_cached=True, ratio=0.15):
+    layout = PromptLayout(prefix, CHUNKS, SUFFIX)
+    return plan_prefill(layout, mode, cached, prefix_cached, BOS, ratio, (1,))
+
+
+def test_cacheblend_blends_cached_chunks_and_computes_missing_ones_at_the_asked_ratio():
+    p = plan(Mode.CACHEBLEND, cached=(True, False, True), ratio=0.3)
+    assert p.chunk_sources == (ChunkSource.BLEND, ChunkSource.COMPUTE, ChunkSource.BLEND)
+    assert p.recompute_ratio == 0.3
+    assert p.streamed_chunks == [0, 2]
+    assert p.blend_positions == [3, 4, 5, 8, 9, 10, 11]
+
+
+def test_full_prefill_computes_everything_and_uses_no_cached_prefix():
+    p = plan(Mode.FULL_PREFILL)
+    assert set(p.chunk_sources) == {ChunkSource.COMPUTE}
+    assert (p.recompute_ratio, p.prefix_cached, p.streamed_chunks) == (1.0, False, [])
+    assert p.always_computed_positions == list(range(p.num_tokens))
+
+
+def test_full_reuse_is_blending_at_ratio_zero():
+    p = plan(Mode.FULL_REUSE, ratio=0.5)
+    assert set(p.chunk_sources) == {ChunkSource.BLEND}
+    assert p.recompute_ratio == 0.0
+
+
+@pytest.mark.parametrize("mode", [Mode.CACHEBLEND, Mode.FULL_REUSE, Mode.PREFIX_CACHE])
+def test_a_cached_first_chunk_behind_exactly_the_chunk_prefix_is_an_exact_hit(mode):
+    p = plan(mode, prefix=BOS)
+    assert p.chunk_sources[0] is ChunkSource.EXACT
+    assert p.count_tokens(ChunkSource.EXACT) == len(CHUNKS[0])
+
+
+def test_prefix_cache_reuses_only_the_exact_first_chunk():
+    assert plan(Mode.PREFIX_CACHE, prefix=BOS).chunk_sources == (
+        ChunkSource.EXACT,
+        ChunkSource.COMPUTE,
+        ChunkSource.COMPUTE,
+    )
+    assert set(plan(Mode.PREFIX_CACHE).chunk_sources) == {ChunkSource.COMPUTE}
+
+
+def test_a_first_chunk_behind_a_longer_prefix_is_blended_not_exact():
+    assert plan(Mode.CACHEBLEND).chunk_sources[0] is ChunkSource.BLEND
+
+
+def test_always_computed_positions_are_the_uncached_prefix_computed_chunks_and_suffix():
+    p = plan(Mode.CACHEBLEND, cached=(True, False, True), prefix_cached=False)
+    assert p.always_computed_positions == [0, 1, 2, 6, 7, 12, 13]
+    cached_prefix = plan(Mode.CACHEBLEND, cached=(True, False, True))
+    assert cached_prefix.always_computed_positions == [6, 7, 12, 13]
+
+
+def test_without_chunks_only_the_prefix_and_suffix_are_computed():
+    layout = PromptLayout((1, 5), (), SUFFIX)
+    p = plan_prefill(layout, Mode.CACHEBLEND, (), False, BOS, 0.15, (1,))
+    assert (p.chunk_sources, p.streamed_chunks) == ((), [])
+    assert p.always_computed_positions == [0, 1, 2, 3]
