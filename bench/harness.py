@@ -88,6 +88,9 @@ def build_engine(
     ssd_path: str | None = None,
     **options,
 ) -> Engine:
+    """An engine over its own store; one KV-pool slot unless `max_num_seqs` says otherwise
+    (the prefill benchmarks never serve, and a pool per engine would only take memory)."""
+    options.setdefault("max_num_seqs", 1)
     return Engine(loaded, build_store(loaded, memory_budget_bytes, ssd_path), **options)
 
 
@@ -102,12 +105,7 @@ def token_sampler(engine: Engine, seed: int = 0) -> Callable[[int], tuple[int, .
 def random_layout(
     engine: Engine, num_chunks: int, chunk_tokens: int, question_tokens: int, seed: int = 0
 ) -> PromptLayout:
-    rng = random.Random(seed)
-    special = set(engine.tokenizer.all_special_ids)
-    choices = [t for t in range(len(engine.tokenizer)) if t not in special]
-
-    def tokens(n: int) -> tuple[int, ...]:
-        return tuple(rng.choice(choices) for _ in range(n))
+    tokens = token_sampler(engine, seed)
 
     prefix = engine.prompts.build("q", []).prefix
     return PromptLayout(
