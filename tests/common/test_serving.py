@@ -52,6 +52,6 @@ def test_the_field_description_and_default_are_the_flag_help():
 
 
 def test_invalid_settings_end_the_command_naming_the_field():
-    args = build_parser().parse_args(["engine", "--model", "m", "--queue-depth", "0"])
-    with pytest.raises(SystemExit, match="queue_depth"):
+    args = build_parser().parse_args(["engine", "--model", "m", "--max-num-seqs", "0"])
+    with pytest.raises(SystemExit, match="max_num_seqs"):
         settings_from_args(EngineSettings, args, "engine")
