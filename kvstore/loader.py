@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from kvstore.errors import KVEntryError, KVStreamError
-from kvstore.types import ChunkKV, LayerTiming, StreamStats
+from kvstore.types import ChunkKV, LayerLoad, StreamStats
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class KVLayerStream:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.present = [s is not None for s in sources]
         self.tiers = [s.tier if s is not None else None for s in sources]
-        self.timings: list[LayerTiming] = []
+        self.timings: list[LayerLoad] = []
         self.stats = StreamStats()
         self.num_layers = layer_counts.pop() if live else 0
         self.lookahead = lookahead
@@ -227,7 +227,7 @@ class KVLayerStream:
             event = None
             if self._copy_stream is not None:
                 pairs, event = self._copy_to_device(i, pairs)
-            timing = LayerTiming(i, start_s, time.perf_counter(), layer_bytes)
+            timing = LayerLoad(i, start_s, time.perf_counter(), layer_bytes)
             with self._cond:
                 self.timings.append(timing)
                 self._ready[i] = pairs

@@ -51,7 +51,7 @@ class ChunkKV:
 
 
 @dataclass
-class LayerTiming:
+class LayerLoad:
     """When the KV of one layer (all chunks of a request) was loaded.
 
     Times are time.perf_counter() seconds."""
@@ -80,7 +80,7 @@ class LayerStream(Protocol):
 
     present: list[bool]
     tiers: list[str | None]
-    timings: list[LayerTiming]
+    timings: list[LayerLoad]
 
     def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
