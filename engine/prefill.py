@@ -186,11 +186,11 @@ class Prefiller:
                 PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
             )
         self._observe(output, used)
-        missing = (
-            [layout.chunks[j] for j, found in enumerate(present) if reuse and not found]
-            if mode is not Mode.PREFIX_CACHE
-            else []
-        )
+        # Only the blending modes stream every chunk, so only they know which had no KV.
+        blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
+        missing = [
+            c for c, found in zip(layout.chunks, present, strict=True) if blends and not found
+        ]
         blend = Blend(
             plan.recompute_ratio,
             plan.check_layers[0] if plan.check_layers else 0,

@@ -23,8 +23,15 @@ class ModelRunner:
         pool_shape = (shape.num_layers, num_slots, shape.num_kv_heads, slot_tokens, shape.head_dim)
         # Zeros, not empty: padded attention multiplies masked-out values by exactly 0, and
         # 0 * NaN from uninitialised memory would poison the row.
-        self.keys = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
-        self.values = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
+        try:
+            self.keys = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
+            self.values = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            size = self.pool_bytes(layers, num_slots, slot_tokens) / 2**30
+            raise ValueError(
+                f"the KV pool of {num_slots} slots x {slot_tokens} positions ({size:.2f} GiB) "
+                f"does not fit on {layers.device}: lower kv_pool_gb, max_num_seqs or max_model_len"
+            ) from exc
         self.cos, self.sin = layers.rope_tables(slot_tokens)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
 
@@ -58,6 +65,11 @@ class ModelRunner:
         row_pos[slot_idx] = pos
         causal = key_pos <= row_pos[:, None]  # [high, T]
         masks: dict[int | None, torch.Tensor] = {None: causal[:, None, None, :]}
+        # One query per sequence: the G query heads of a KV group attend as G rows over the
+        # same keys, which needs no GQA support from the kernel. Idle slots' rows stay zero.
+        q_rows = torch.zeros(
+            high, shape.num_kv_heads, self.group, shape.head_dim, dtype=runner.dtype, device=device
+        )
         h = runner.embed(torch.tensor(token_ids, device=device))  # [B, d]
         for i in range(shape.num_layers):
             q, k, v = runner.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
@@ -69,9 +81,6 @@ class ModelRunner:
             if window not in masks:
                 assert window is not None
                 masks[window] = (causal & (key_pos > row_pos[:, None] - window))[:, None, None]
-            # One query per sequence: the G query heads of a KV group attend as G rows over the
-            # same keys, which needs no GQA support from the kernel.
-            q_rows = q.new_zeros(high, shape.num_kv_heads, self.group, shape.head_dim)
             q_rows[slot_idx] = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
             out = F.scaled_dot_product_attention(
                 q_rows,

@@ -34,13 +34,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue `seq`; raises QueueFullError when the queue and the KV pool are both full,
-        ValueError when the sequence can never fit a slot."""
-        if seq.max_positions > self.slots.slot_tokens:
-            raise ValueError(
-                f"prompt of {seq.num_prompt_tokens} tokens plus max_tokens {seq.max_tokens} is "
-                f"more than the engine's {self.slots.slot_tokens} positions per sequence"
-            )
+        """Queue `seq`; raises QueueFullError when the queue and the KV pool are both full.
+        The engine refuses a sequence longer than a slot before it gets here."""
+        assert seq.max_positions <= self.slots.slot_tokens, "longer than a KV slot"
         # Waiting sequences that free slots will take at the next step do not count as queued.
         if len(self.waiting) >= self.max_waiting + self.slots.num_free:
             raise QueueFullError(

@@ -45,7 +45,6 @@ class Sequence:
     prefill: Prefill | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None
-    decode_start_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,7 +62,3 @@ class Sequence:
     def max_positions(self) -> int:
         """Positions the sequence may fill: the prompt plus every token it may decode."""
         return self.num_prompt_tokens + self.max_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

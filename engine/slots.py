@@ -2,7 +2,7 @@
 
 The pool is cut into equal slots of `slot_tokens` (the longest prompt plus completion the
 engine serves); the lowest free slot is handed out first, so the slots in use stay packed
-at the bottom and a batched decode attends over `[0, high_water)` only.
+at the bottom and a batched decode attends over slots up to the highest in use only.
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ class SlotTable:
     @property
     def num_used(self) -> int:
         return len(self._used)
-
-    @property
-    def high_water(self) -> int:
-        """One past the highest slot in use (0 when none is)."""
-        return max(self._used) + 1 if self._used else 0
 
     def allocate(self) -> int:
         """The lowest free slot; raises RuntimeError when every slot is taken."""

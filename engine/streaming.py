@@ -34,10 +34,6 @@ class Generation:
             self._cancelled = True
             self._on_cancel()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
     async def __aiter__(self) -> AsyncIterator[TokenDelta | GenerateResult]:
         try:
             while True:

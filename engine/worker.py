@@ -36,7 +36,6 @@ class Worker:
         self._background: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
-        self.running_background = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -101,11 +100,7 @@ class Worker:
                     log.exception("engine step failed")
             task = self._next_background(busy)
             if task is not None:
-                self.running_background = True
-                try:
-                    task()
-                finally:
-                    self.running_background = False
+                task()
                 continue
             if busy:
                 continue

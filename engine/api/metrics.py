@@ -187,15 +187,15 @@ class _LiveState:
         self.engine = engine
 
     def collect(self):
-        worker, engine = self.engine.worker, self.engine
+        engine = self.engine
         running = GaugeMetricFamily("ragblend_engine_requests_running", "Generations running")
-        running.add_metric([], self.engine.num_running)
+        running.add_metric([], engine.num_running)
         waiting = GaugeMetricFamily("ragblend_engine_requests_waiting", "Generations waiting")
-        waiting.add_metric([], self.engine.num_waiting)
+        waiting.add_metric([], engine.num_waiting)
         background = GaugeMetricFamily(
             "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
         )
-        background.add_metric([], worker.waiting_background)
+        background.add_metric([], engine.worker.waiting_background)
         slots = engine.scheduler.slots
         pool_usage = GaugeMetricFamily(
             "ragblend_engine_kv_pool_usage_ratio", "Fraction of the KV pool's slots in use"
@@ -205,7 +205,7 @@ class _LiveState:
             "ragblend_engine_kv_pool_slots", "KV pool slots (sequences that can run at once)"
         )
         pool_slots.add_metric([], slots.num_slots)
-        stats = self.engine.store.stats()
+        stats = engine.store.stats()
         entries = GaugeMetricFamily(
             "ragblend_engine_store_entries", "KV entries by tier", labels=["tier"]
         )

@@ -29,7 +29,9 @@ class EngineSettings(BaseSettings):
     queue_depth: int = Field(
         16, ge=0, description="requests that may wait beyond the free KV slots; then 429"
     )
-    max_num_seqs: int = Field(16, ge=1, description="sequences decoded together in one batch")
+    max_num_seqs: int = Field(
+        16, ge=1, le=4096, description="sequences decoded together in one batch"
+    )
     max_model_len: int | None = Field(
         None,
         ge=1,
@@ -41,7 +43,10 @@ class EngineSettings(BaseSettings):
         description="KV pool size; default: half the free GPU memory or a quarter of the free RAM",
     )
     max_prefill_tokens: int = Field(
-        8192, ge=1, description="prompt tokens admitted per prefill step (decodes run between)"
+        8192,
+        ge=1,
+        le=1_048_576,
+        description="prompt tokens admitted per prefill step (decodes run between)",
     )
     recompute_ratio: float | None = Field(
         None, ge=0, le=1, description="fixed ratio; None: the controller chooses"
