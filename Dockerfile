@@ -29,8 +29,9 @@ COPY kvstore kvstore
 COPY retriever retriever
 COPY gateway gateway
 COPY demo demo
+COPY evaluation evaluation
 # Installed in place: the bundled demo model and documents stay at /app/demo.
-RUN pip install -e . && python -c "import common, engine, gateway, kvstore, retriever, ragblend, demo"
+RUN pip install -e . && python -c "import common, engine, evaluation, gateway, kvstore, retriever, ragblend, demo"
 
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_VARIANT=cpu

@@ -70,7 +70,11 @@ def build_model(shape: str, device: str, dtype: str) -> LoadedModel:
 
 
 def build_store(
-    loaded: LoadedModel, memory_budget_bytes: int = 64 * 1024**3, ssd_path: str | None = None
+    loaded: LoadedModel,
+    memory_budget_bytes: int = 64 * 1024**3,
+    ssd_path: str | None = None,
+    gpu_budget_bytes: int = 0,
+    ssd_encoding: str = "none",
 ) -> KVStore:
     return KVStore(
         KVStoreConfig(
@@ -78,6 +82,9 @@ def build_store(
             memory_budget_bytes=memory_budget_bytes,
             ssd_path=ssd_path,
             pin_memory=loaded.device.type == "cuda",
+            gpu_budget_bytes=gpu_budget_bytes,
+            device=str(loaded.device),
+            ssd_encoding=ssd_encoding,
         )
     )
 
@@ -86,12 +93,15 @@ def build_engine(
     loaded: LoadedModel,
     memory_budget_bytes: int = 64 * 1024**3,
     ssd_path: str | None = None,
+    gpu_budget_bytes: int = 0,
+    ssd_encoding: str = "none",
     **options,
 ) -> Engine:
     """An engine over its own store; one KV-pool slot unless `max_num_seqs` says otherwise
     (the prefill benchmarks never serve, and a pool per engine would only take memory)."""
     options.setdefault("max_num_seqs", 1)
-    return Engine(loaded, build_store(loaded, memory_budget_bytes, ssd_path), **options)
+    store = build_store(loaded, memory_budget_bytes, ssd_path, gpu_budget_bytes, ssd_encoding)
+    return Engine(loaded, store, **options)
 
 
 def token_sampler(engine: Engine, seed: int = 0) -> Callable[[int], tuple[int, ...]]:
@@ -113,15 +123,47 @@ def random_layout(
     )
 
 
-def store_chunks(engine: Engine, layout: PromptLayout) -> None:
+def store_chunks(engine: Engine, layout: PromptLayout, fastest_tier: bool = False) -> None:
+    """Precompute the layout's chunks into the store (host memory and SSD), or with
+    `fastest_tier` into its fastest tier only (the gpu tier when there is one)."""
     for tokens in layout.chunks:
-        engine.store.put(engine.chunk_key(tokens), engine.compute_chunk_kv(tokens))
+        kv = engine.compute_chunk_kv(tokens)
+        if fastest_tier:
+            engine.store.put_local(engine.chunk_key(tokens), kv)
+        else:
+            engine.store.put(engine.chunk_key(tokens), kv)
     engine.store.flush()
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def interleaved_medians(
+    cases: dict[str, tuple[Callable[[], object], Callable[[], None]]],
+    repeats: int,
+    device: torch.device,
+) -> dict[str, tuple[float, float, object]]:
+    """Median and stdev of each case's `run` (after its `before`) over `repeats` rounds, each
+    round running every case once in turn after one warm-up round; the last results. Taking
+    the cases round-robin makes a machine that speeds up or slows down during the run (the
+    shared development VMs do) shift every case alike, so their ratios stay fair."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    results: dict[str, object] = {}
+    for round_index in range(repeats + 1):
+        for name, (run, before) in cases.items():
+            before()
+            synchronize(device)
+            start = time.perf_counter()
+            results[name] = run()
+            synchronize(device)
+            if round_index:
+                samples[name].append(time.perf_counter() - start)
+    return {
+        name: (statistics.median(times), statistics.pstdev(times), results[name])
+        for name, times in samples.items()
+    }
 
 
 def median_seconds(

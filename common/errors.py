@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 FieldError = dict[str, Any]  # {"loc": [...], "msg": str, "type": str}
 
@@ -58,3 +59,22 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, exc.detail, headers=exc.headers)
+
+
+async def send_error(
+    send: Send, status: int, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """The one error body sent straight from an ASGI middleware, before any route runs."""
+    body = json.dumps(error_body(detail)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

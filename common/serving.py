@@ -14,6 +14,9 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 _SCALARS = (int, float, str, Path)
+# After SIGTERM a service drains its open requests for at most this long, then cancels them:
+# a busy service still ends within the grace of `ragblend up` (15 s) and of the compose file.
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
@@ -77,6 +80,7 @@ def serve(
 ) -> int:
     import uvicorn
 
+    uvicorn_options.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -3,57 +3,27 @@ deviation from full prefill); shared by bench/quality.py and tests/demo."""
 
 from __future__ import annotations
 
-import hashlib
-import re
-import string
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from engine.engine import Engine
-from engine.types import Chunk, GenerateRequest, Mode
+from engine.types import GenerateRequest, Mode
+from evaluation.deviation import kv_deviation
+from evaluation.metrics import exact_match, f1_score, normalize
+from evaluation.runner import Setting as Config
+from evaluation.runner import as_chunks
 
-_PUNCTUATION = set(string.punctuation)
-
-
-def normalize(text: str) -> str:
-    """SQuAD-style: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def exact_match(prediction: str, answer: str) -> float:
-    return float(normalize(prediction) == normalize(answer))
-
-
-def f1_score(prediction: str, answer: str) -> float:
-    predicted, gold = normalize(prediction).split(), normalize(answer).split()
-    common = sum((Counter(predicted) & Counter(gold)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(predicted), common / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
-def as_chunks(passages: Sequence[str]) -> tuple[Chunk, ...]:
-    return tuple(Chunk(hashlib.sha256(p.encode()).hexdigest()[:16], p) for p in passages)
-
-
-@dataclass(frozen=True)
-class Config:
-    """One way of building the prompt's KV: a mode and, for cacheblend, its ratio."""
-
-    mode: Mode
-    recompute_ratio: float | None = None
-
-    @property
-    def label(self) -> str:
-        if self.mode is Mode.CACHEBLEND:
-            return f"cacheblend@{self.recompute_ratio:g}"
-        return self.mode.value
+# Imported from here by bench/quality.py and tests/demo.
+__all__ = [
+    "Config",
+    "EvalResult",
+    "answer",
+    "as_chunks",
+    "exact_match",
+    "f1_score",
+    "kv_deviation",
+    "normalize",
+]
 
 
 @dataclass(frozen=True)
@@ -66,18 +36,6 @@ class EvalResult:
     ttft_s: float
     # log-probability of the gold answer's first token after the prompt (nan: not measured)
     gold_logprob: float = float("nan")
-
-
-def kv_deviation(keys, values, ref_keys, ref_values, spans) -> float:
-    """Σ‖ΔK‖²+‖ΔV‖² over chunk tokens and all layers, relative to the reference's Σ‖K‖²+‖V‖²."""
-    index = torch.cat([torch.arange(s, s + n) for s, n in spans]) if spans else None
-    if index is None:
-        return 0.0
-    # keys, values: [L, H_kv, T, D]
-    k, v = keys[:, :, index].float(), values[:, :, index].float()
-    rk, rv = ref_keys[:, :, index].float(), ref_values[:, :, index].float()
-    num = (k - rk).pow(2).sum() + (v - rv).pow(2).sum()
-    return float(num / (rk.pow(2).sum() + rv.pow(2).sum()))
 
 
 def answer(

@@ -13,7 +13,15 @@ import torch
 
 from engine.layers import LayerRunner
 from engine.plan import ChunkSource, PrefillPlan
-from engine.selection import ratio_schedule, select_top, selection_budget, token_deviation
+from engine.selection import (
+    Selection,
+    prompt_generator,
+    ratio_schedule,
+    select_random,
+    select_top,
+    selection_budget,
+    token_deviation,
+)
 from kvstore.types import LayerStream
 
 
@@ -81,6 +89,9 @@ def run_prefill(
     blending = plan.recompute_ratio > 0 and blend_positions.numel() > 0
     checks = sorted(set(plan.check_layers)) if blending else []
     ratios = dict(zip(checks, ratio_schedule(plan.recompute_ratio, len(checks)), strict=True))
+    # The random baseline draws from the tokens still selected, so narrowing stays nested.
+    random_pick = blending and plan.selection is Selection.RANDOM
+    generator = prompt_generator(plan.token_ids) if random_pick else None
 
     active = torch.tensor(plan.always_computed_positions, dtype=torch.long, device=device)
     if blending:
@@ -90,9 +101,7 @@ def run_prefill(
     cos_active, sin_active = cos[active], sin[active]
     h = runner.embed(torch.tensor(plan.token_ids, device=device)[active])
 
-    # Before the first check layer every blended token is recomputed: its cached KV is not
-    # needed there unless an exact chunk (never recomputed) shares the stream.
-    first_needed = checks[0] if checks and ChunkSource.EXACT not in plan.chunk_sources else 0
+    first_needed = plan.first_streamed_layer
     kv_wait_s, layer_computes = 0.0, []
     for i in range(num_layers):
         wait_start = time.perf_counter()
@@ -119,13 +128,17 @@ def run_prefill(
         v_layer[:, active] = v
 
         if i in ratios:
-            cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
-            cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
-            rows = torch.searchsorted(blend_positions, active[is_blend])
-            deviation = token_deviation(
-                k[:, is_blend], cached_k[:, rows], v[:, is_blend], cached_v[:, rows]
-            )
-            chosen = select_top(deviation, selection_budget(ratios[i], blend_positions.numel()))
+            budget = selection_budget(ratios[i], blend_positions.numel())
+            if generator is not None:
+                chosen = select_random(int(is_blend.sum()), budget, generator).to(device)
+            else:
+                cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
+                cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
+                rows = torch.searchsorted(blend_positions, active[is_blend])
+                deviation = token_deviation(
+                    k[:, is_blend], cached_k[:, rows], v[:, is_blend], cached_v[:, rows]
+                )
+                chosen = select_top(deviation, budget)
             keep = ~is_blend
             keep[is_blend.nonzero()[chosen, 0]] = True
             active, is_blend, h, q = active[keep], is_blend[keep], h[keep], q[:, keep]

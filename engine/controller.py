@@ -2,7 +2,8 @@
 
 Blending costs, per layer, max(load time, recompute time); the controller recomputes as much
 as loading hides (r = max(r_min, load / compute)) and falls back to full prefill when loading a
-layer takes longer than computing it, so blending is never slower than full prefill.
+layer takes longer than computing it (with a margin: from 0.8 of it), so blending is never
+slower than full prefill.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import threading
 from dataclasses import dataclass
 
 from engine.types import DEFAULT_RECOMPUTE_RATIO
+from kvstore import tiers
 
-# Before anything was measured: conservative host-memory and SSD read speeds.
-DEFAULT_BANDWIDTH_BPS = {"memory": 8e9, "ssd": 1e9}
+# Weight of a load faster than the estimate, and of every compute measurement.
 _EWMA = 0.3
+# Blend only while loads take less than this share of a layer's compute. Above it a blend
+# saves under 20 % (it recomputes r = load / compute of the tokens anyway) while an estimate
+# a little low makes it wait on every layer's load: measured on the 2-core CPU, blends at
+# r ≈ 0.98 from a slow tier took 1.4 x a full prefill.
+MAX_LOAD_RATIO = 0.8
 
 
 @dataclass(frozen=True)
@@ -35,36 +41,68 @@ def decide(
     min_leading_layers: int,
 ) -> Decision:
     """The pure rule: recompute what loading hides, lead with enough full layers that the
-    first blended layer's KV has arrived, and give up on blending when loads are the slower."""
+    first blended layer's KV has arrived, and give up on blending when loads are the slower
+    (or so close to it, MAX_LOAD_RATIO, that a blend saves little and risks much)."""
     if layer_compute_s <= 0.0:
         return Decision(min_ratio, min_leading_layers, False, layer_compute_s, layer_load_s)
     load_ratio = layer_load_s / layer_compute_s
-    if load_ratio >= 1.0:
+    if load_ratio >= MAX_LOAD_RATIO:
         return Decision(1.0, num_layers, True, layer_compute_s, layer_load_s)
     leading = min(num_layers - 1, max(min_leading_layers, math.ceil(load_ratio)))
     return Decision(max(min_ratio, load_ratio), leading, False, layer_compute_s, layer_load_s)
 
 
 class Controller:
-    """Keeps moving averages of load bandwidth per tier and compute time per token-layer."""
+    """Keeps an estimate of the load time per byte of each tier and of the compute time per
+    token-layer, and turns them into a Decision per prompt. Thread-safe.
+
+    Load estimates are seconds per byte, not bytes per second: a layer waits on a load time,
+    and only an average of times lets one slow read weigh what it costs (averaging speeds, a
+    read 2000x slower moves the estimate by 43%, and the next fast read erases it).
+
+    A read slower than the estimate replaces it; a faster one moves it by 30%. Underestimating
+    a tier costs every request that blends on it load / compute times a full prefill, while
+    overestimating it costs one fallback (at most a full prefill), whose probe then measures the
+    tier again: see `observe_load`.
+    """
 
     def __init__(self, min_ratio: float = DEFAULT_RECOMPUTE_RATIO, min_leading_layers: int = 1):
         self.min_ratio = min_ratio
         self.min_leading_layers = min_leading_layers
-        self.bandwidth_bps = dict(DEFAULT_BANDWIDTH_BPS)
-        self._measured_tiers: set[str] = set()
+        self.seconds_per_byte = {tier: 1.0 / bps for tier, bps in tiers.PRIOR_BYTES_PER_S.items()}
+        self._measured: set[str] = set()  # tiers whose estimate is a measurement, not the prior
         self.token_layer_s: float | None = None
         self._lock = threading.Lock()
 
-    def observe_load(self, tier: str, num_bytes: int, seconds: float) -> None:
-        if num_bytes <= 0 or seconds <= 0.0:
+    def observe_load(
+        self, bytes_by_tier: dict[str, int], seconds: float, probe: bool = False
+    ) -> None:
+        """`bytes_by_tier` loaded in `seconds` of loader time (several layers, one stream).
+
+        `probe`: read while the controller had these tiers in fallback. Their estimate then
+        dates from before the fallback, and nothing else reads them, so the probe replaces it:
+        one fast probe lets the next request blend again.
+
+        A stream of several tiers is timed as a whole: the slowest tier gets the time the
+        others' estimates leave over (at least its share by bytes), the others are not updated.
+        """
+        loaded = {tier: n for tier, n in bytes_by_tier.items() if n > 0}
+        if not loaded or seconds <= 0.0:
             return
         with self._lock:
-            measured = num_bytes / seconds
-            if tier in self._measured_tiers:  # the first measurement replaces the prior
-                measured = (1 - _EWMA) * self.bandwidth_bps[tier] + _EWMA * measured
-            self.bandwidth_bps[tier] = measured
-            self._measured_tiers.add(tier)
+            slowest = tiers.slowest(list(loaded))
+            assert slowest is not None
+            others_s = sum(
+                n * self._estimate(tier) for tier, n in loaded.items() if tier != slowest
+            )
+            share_s = seconds * loaded[slowest] / sum(loaded.values())
+            measured = max(seconds - others_s, share_s) / loaded[slowest]
+            previous = self._estimate(slowest)
+            if probe or slowest not in self._measured or measured > previous:
+                self.seconds_per_byte[slowest] = measured
+            else:
+                self.seconds_per_byte[slowest] = (1 - _EWMA) * previous + _EWMA * measured
+            self._measured.add(slowest)
 
     def observe_compute(self, num_tokens: int, seconds: float) -> None:
         """One layer computed for `num_tokens` tokens in `seconds`."""
@@ -80,12 +118,14 @@ class Controller:
     def decide(
         self, num_tokens: int, layer_bytes_by_tier: dict[str, int], num_layers: int
     ) -> Decision:
-        """Ratio and leading layers for a prompt of `num_tokens` computed tokens whose chunk KV
-        takes `layer_bytes_by_tier` bytes per layer."""
+        """Ratio and leading layers for a prompt whose full prefill computes `num_tokens` tokens
+        (what no cache holds exactly) and whose chunk KV takes `layer_bytes_by_tier` bytes per
+        layer."""
         with self._lock:
             compute_s = (self.token_layer_s or 0.0) * num_tokens
-            load_s = sum(
-                n / self.bandwidth_bps.get(tier, DEFAULT_BANDWIDTH_BPS["ssd"])
-                for tier, n in layer_bytes_by_tier.items()
-            )
+            load_s = sum(n * self._estimate(tier) for tier, n in layer_bytes_by_tier.items())
         return decide(compute_s, load_s, num_layers, self.min_ratio, self.min_leading_layers)
+
+    def _estimate(self, tier: str) -> float:
+        """Seconds per byte of `tier`; a tier never heard of counts as the slowest known."""
+        return self.seconds_per_byte.get(tier, max(self.seconds_per_byte.values()))

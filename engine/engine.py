@@ -22,7 +22,8 @@ import torch
 from engine.controller import Controller
 from engine.decode import eos_token_ids
 from engine.detokenize import IncrementalText
-from engine.errors import GenerationCancelled, PromptTooLongError
+from engine.errors import ChunkTooLongError, GenerationCancelled, PromptTooLongError
+from engine.estimate import QueueEstimate
 from engine.layers import LayerRunner
 from engine.model import LoadedModel, load_model
 from engine.prefill import Prefill, Prefiller
@@ -31,12 +32,15 @@ from engine.prompt import PromptBuilder, PromptLayout
 from engine.runner import ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler
+from engine.selection import Selection
 from engine.sequence import Event, Sequence
+from engine.shadow import Shadow, ShadowConfig
 from engine.slots import SlotTable
 from engine.streaming import Generation
 from engine.types import (
     DEFAULT_RECOMPUTE_RATIO,
     Chunk,
+    ChunkWrite,
     GenerateRequest,
     GenerateResult,
     Mode,
@@ -45,6 +49,7 @@ from engine.types import (
     TokenDelta,
 )
 from engine.worker import Worker
+from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore, KVStoreConfig
 
 log = logging.getLogger(__name__)
@@ -82,7 +87,9 @@ class Engine:
     (default: the model's, at most 8192); `kv_pool_bytes` bounds the pool (default: half the
     free GPU memory, or a quarter of the available RAM), so fewer slots may fit. Up to
     `max_waiting` more requests queue beyond the free slots; past that `start()` raises
-    QueueFullError.
+    QueueFullError. `shadow` samples blended requests for shadow checks (engine/shadow.py).
+    `selection` picks the tokens cacheblend recomputes: HKVD (CacheBlend's), or `random` of the
+    same budget, a research baseline.
     """
 
     def __init__(
@@ -101,6 +108,8 @@ class Engine:
         kv_pool_bytes: int | None = None,
         max_prefill_tokens: int = 8192,
         kv_read_delay_s: float = 0.0,
+        shadow: ShadowConfig | None = None,
+        selection: Selection = Selection.HKVD,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -122,11 +131,16 @@ class Engine:
             check_layers,
             Controller(min_recompute_ratio, min_leading_layers=check_layers[0]),
             recompute_ratio,
-            PrefixCache(prefix_cache_entries),
+            PrefixCache(prefix_cache_entries, store, loaded.fingerprint),
             kv_read_delay_s,
+            selection,
         )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.max_model_len = self._max_model_len(max_model_len)
+        # A chunk must leave room for the prompt's frame and one generated token.
+        frame = self.prompts.build("?", []).num_tokens
+        self.max_chunk_tokens = max(0, self.max_model_len - frame - 1)
+        self.estimate = QueueEstimate()
         num_slots = self._num_slots(max_num_seqs, kv_pool_bytes)
         self.runner = ModelRunner(self.layers, num_slots, self.max_model_len)
         self.scheduler = Scheduler(
@@ -134,7 +148,10 @@ class Engine:
         )
         self._lock = threading.Lock()  # guards the scheduler between callers and the worker
         self._step_listeners: list[Callable[[StepRecord], None]] = []
-        self.worker = Worker(self._step, lambda: self.scheduler.has_work)
+        self.shadow = Shadow(self.layers, shadow or ShadowConfig())
+        self.worker = Worker(
+            self._step, lambda: self.scheduler.has_work, idle=self.shadow.run_piece
+        )
 
     @classmethod
     def from_pretrained(
@@ -204,6 +221,27 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def model_name(self) -> str:
+        """The model as configured, a checkpoint directory reduced to its name (no path)."""
+        path = self.loaded.path
+        return os.path.basename(os.path.normpath(path)) if os.path.isdir(path) else path
+
+    def queue_estimate_s(self) -> float:
+        """Expected wait before a request arriving now starts its prefill (QueueEstimate);
+        takes the engine lock, which the worker holds only between steps, never while the
+        model runs."""
+        with self._lock:
+            waiting = list(self.scheduler.waiting)
+            remaining = [seq.max_tokens - seq.num_output_tokens for seq in self.scheduler.running]
+            free_slots = self.scheduler.slots.num_free
+        return self.estimate.wait_s(
+            waiting_tokens=sum(seq.num_prompt_tokens for seq in waiting),
+            waiting_seqs=len(waiting),
+            running_remaining=remaining,
+            free_slots=free_slots,
+        )
+
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Call `listener` on the worker thread after every engine step."""
         self._step_listeners.append(listener)
@@ -214,35 +252,48 @@ class Engine:
     # -- chunk KV ------------------------------------------------------------------------------
 
     def precompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
-        """Compute and store the standalone KV of every chunk not already in the store."""
-        chunks = list(chunks)
-        return self.worker.submit(lambda: self._precompute(chunks)).result()
+        """Compute and store the standalone KV of every chunk not already in the store; waits
+        until each entry is written to the store's last tier. Raises ChunkTooLongError, before
+        any compute, for a chunk longer than `max_chunk_tokens`."""
+        tokens = self.chunk_tokens(chunks)
+        writes = [self.worker.submit(functools.partial(self._precompute, t)) for t in tokens]
+        done = [w.result() for w in writes]
+        return _tally(done, [d.written.result() for d in done if d.written is not None])
 
     async def aprecompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
-        """Precompute chunk by chunk as background work, between engine steps."""
-        parts = await asyncio.gather(
-            *(self.worker.run(functools.partial(self._precompute, [chunk])) for chunk in chunks)
+        """Precompute chunk by chunk as background work, between engine steps; tokenizing (and
+        the length check) runs on a thread of its own, off the event loop and the model."""
+        tokens = await asyncio.to_thread(self.chunk_tokens, chunks)
+        done = await asyncio.gather(
+            *(self.worker.run(functools.partial(self._precompute, t)) for t in tokens)
         )
-        return PrecomputeResult(
-            stored=sum(p.stored for p in parts),
-            skipped=sum(p.skipped for p in parts),
-            bytes=sum(p.bytes for p in parts),
+        written = await asyncio.gather(
+            *(asyncio.wrap_future(d.written) for d in done if d.written is not None)
         )
+        return _tally(done, written)
 
-    def _precompute(self, chunks: list[Chunk | str]) -> PrecomputeResult:
-        result = PrecomputeResult()
-        for chunk in chunks:
-            text = chunk.text if isinstance(chunk, Chunk) else chunk
+    def chunk_tokens(self, chunks: Iterable[Chunk | str]) -> list[tuple[int, ...]]:
+        """The tokens of each chunk; ChunkTooLongError names the first one longer than
+        `max_chunk_tokens` (its KV could never be used)."""
+        result = []
+        for index, chunk in enumerate(chunks):
+            name, text = (chunk.id, chunk.text) if isinstance(chunk, Chunk) else (index, chunk)
             tokens = self.prompts.chunk_tokens(text)
-            key = self.chunk_key(tokens)
-            if self.store.lookup([key])[0] is not None:
-                result.skipped += 1
-                continue
-            kv = self.compute_chunk_kv(tokens)
-            self.store.put(key, kv)
-            result.stored += 1
-            result.bytes += kv.nbytes
+            if len(tokens) > self.max_chunk_tokens:
+                raise ChunkTooLongError(
+                    f"chunk {name!r} has {len(tokens)} tokens: more than the "
+                    f"{self.max_chunk_tokens} a chunk may use in a prompt of max_model_len "
+                    f"{self.max_model_len} positions"
+                )
+            result.append(tokens)
         return result
+
+    def _precompute(self, tokens: tuple[int, ...]) -> ChunkWrite:
+        key = self.chunk_key(tokens)
+        if self.store.lookup([key])[0] is not None:
+            return ChunkWrite(skipped=True)
+        kv = self.compute_chunk_kv(tokens)
+        return ChunkWrite(skipped=False, nbytes=kv.nbytes, written=self.store.put(key, kv))
 
     def compute_chunk_kv(self, tokens: tuple[int, ...]):
         return self.prefiller.compute_chunk_kv(tokens)
@@ -255,10 +306,14 @@ class Engine:
     # -- prefill (also called directly by tests and benchmarks, outside the serving loop) ------
 
     def layout(self, request: GenerateRequest) -> PromptLayout:
-        """The request's prompt; PromptTooLongError when it and max_tokens exceed a slot."""
+        """The request's prompt (with `fit_context`, chunks dropped from the end until it fits);
+        PromptTooLongError when it and max_tokens exceed a slot. Tokenizes: seconds for a long
+        prompt, so the service calls it on a thread."""
         layout = self.prompts.build(
             request.question, [c.text for c in request.chunks], request.system
         )
+        if request.fit_context:
+            layout = layout.fitted(self.max_model_len - request.max_tokens)
         self._check_length(layout, request.max_tokens)
         return layout
 
@@ -338,6 +393,7 @@ class Engine:
     # -- one step, on the worker thread ------------------------------------------------------
 
     def _step(self) -> None:
+        self.shadow.preempt()  # client work first: shadows run on idle time only
         with self._lock:
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 if seq.cancelled:
@@ -348,21 +404,45 @@ class Engine:
             return
         start = time.perf_counter()
         if is_prefill:
-            for seq in seqs:
-                self._prefill(seq)
+            self._prefill_step(seqs)
             num_tokens = sum(seq.num_prompt_tokens for seq in seqs)
         else:
             self._decode(seqs)
             num_tokens = len(seqs)
         record = StepRecord(is_prefill, len(seqs), num_tokens, time.perf_counter() - start)
+        self.estimate.observe(is_prefill, num_tokens, record.seconds)
         with self._lock:
-            for seq in seqs:
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
+            finished = [seq for seq in seqs if seq.finish_reason is not None]
+            for seq in finished:
+                self.scheduler.finish(seq)
+            busy = self.scheduler.has_work
+        for seq in finished:
+            if seq.shadow is not None and seq.finish_reason != "error":
+                self.shadow.submit(seq.shadow, busy)
         for listener in self._step_listeners:
             listener(record)
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill_step(self, seqs: list[Sequence]) -> None:
+        """Prefill the step's sequences one after the other. Their KV streams are all opened
+        first, in order, so the store's one loader reads the next prompt's first layers while
+        the current one computes."""
+        ahead: list[KVLayerStream | None] = []
+        try:
+            for seq in seqs:
+                request = seq.request
+                ahead.append(
+                    self.prefiller.open_ahead(seq.layout, request.mode, request.recompute_ratio)
+                    if len(seqs) > 1
+                    else None
+                )
+            for seq, stream in zip(seqs, ahead, strict=True):
+                self._prefill(seq, stream)
+        finally:
+            for stream in ahead:  # the prefill closed those it took; closing is idempotent
+                if stream is not None:
+                    stream.close()
+
+    def _prefill(self, seq: Sequence, opened: KVLayerStream | None = None) -> None:
         seq.scheduled_s = time.perf_counter()
         request, num_tokens = seq.request, seq.num_prompt_tokens
         assert seq.slot is not None
@@ -372,6 +452,7 @@ class Engine:
                 request.mode,
                 request.recompute_ratio,
                 self.runner.slot_kv(seq.slot, num_tokens),
+                opened,
             )
         except Exception as exc:
             log.exception("prefill failed")
@@ -381,6 +462,12 @@ class Engine:
         seq.prefill, seq.num_cached = prefill, num_tokens
         for tokens in prefill.missing_chunks:
             self.worker.submit(functools.partial(self._write_back, tokens))
+        seq.shadow = self.shadow.sample(
+            request.mode,
+            seq.layout.token_ids,
+            request.temperature == 0.0,
+            prefill.blend.fell_back_to_full_prefill,
+        )
         self._accept(seq, prefill.output.logits)
 
     def _decode(self, seqs: list[Sequence]) -> None:
@@ -402,6 +489,8 @@ class Engine:
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token, hand its text to the consumer, and decide whether to stop."""
         token = seq.sampler(logits)
+        if seq.shadow is not None:
+            seq.shadow.observe(logits, token)
         now = time.perf_counter()
         if seq.first_token_s is None:
             seq.first_token_s = now
@@ -455,6 +544,7 @@ class Engine:
             layers=prefill.timeline,
             chunk_tiers=prefill.chunk_tiers,
             load_bytes_by_tier=prefill.load_bytes_by_tier,
+            dropped_chunks=seq.layout.dropped_chunks,
         )
 
     def drain(self) -> None:
@@ -467,3 +557,14 @@ class Engine:
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 seq.cancelled = True
         self.worker.close()
+
+
+def _tally(done: list[ChunkWrite], written: list[bool]) -> PrecomputeResult:
+    """`written`: the write outcome of each chunk of `done` that was not skipped, in order."""
+    computed = [d for d in done if not d.skipped]
+    return PrecomputeResult(
+        stored=sum(written),
+        skipped=len(done) - len(computed),
+        failed=len(written) - sum(written),
+        bytes=sum(d.nbytes for d in computed),
+    )

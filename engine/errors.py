@@ -17,6 +17,10 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt plus max_tokens does not fit the model's positions."""
 
 
+class ChunkTooLongError(InvalidRequestError):
+    """A chunk to precompute has more tokens than any prompt could hold with it."""
+
+
 class GenerationCancelled(Exception):
     """The consumer of a generation went away; the worker stops at the next token."""
 

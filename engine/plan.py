@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.prompt import PromptLayout
+from engine.selection import Selection
 from engine.types import Mode
 
 
@@ -31,6 +32,7 @@ class PrefillPlan:
     recompute_ratio: float
     check_layers: tuple[int, ...]
     keep_pre_rope_keys: bool = False
+    selection: Selection = Selection.HKVD  # how the check layers pick tokens to recompute
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +42,17 @@ class PrefillPlan:
     def streamed_chunks(self) -> list[int]:
         """Indices of the chunks whose KV is read from the store, in prompt order."""
         return [j for j, s in enumerate(self.chunk_sources) if s is not ChunkSource.COMPUTE]
+
+    @property
+    def first_streamed_layer(self) -> int:
+        """The first layer whose chunk KV the blend loop reads. Before the first check layer
+        every blended token is recomputed, so its cached KV is not needed there, unless the
+        plan does not select (ratio 0, nothing to blend) or an exact chunk, never recomputed,
+        shares the stream."""
+        selects = self.recompute_ratio > 0 and self.count_tokens(ChunkSource.BLEND) > 0
+        if not selects or not self.check_layers or ChunkSource.EXACT in self.chunk_sources:
+            return 0
+        return min(self.check_layers)
 
     @property
     def blend_positions(self) -> list[int]:
@@ -80,6 +93,7 @@ def plan_prefill(
     chunk_prefix: tuple[int, ...],
     recompute_ratio: float,
     check_layers: tuple[int, ...],
+    selection: Selection = Selection.HKVD,
 ) -> PrefillPlan:
     """Decide each chunk's KV source for `mode`.
 
@@ -109,4 +123,5 @@ def plan_prefill(
         chunk_sources=tuple(sources),
         recompute_ratio=ratio,
         check_layers=check_layers,
+        selection=selection,
     )

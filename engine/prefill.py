@@ -15,6 +15,7 @@ from engine.layers import LayerRunner
 from engine.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.prefix_cache import PrefixCache
 from engine.prompt import PromptLayout
+from engine.selection import Selection
 from engine.timeline import overlap_fraction, total
 from engine.types import DEFAULT_RECOMPUTE_RATIO, Blend, LayerTimes, Mode, Usage
 from kvstore.errors import KVStreamError
@@ -79,6 +80,7 @@ class RatioChoice:
     check_layers: tuple[int, ...]
     chosen_by: str  # "request", "engine" or "controller"
     full_prefill: bool = False  # the controller found blending slower than a full prefill
+    keep_exact: bool = False  # that fallback loads the exact first chunk: its load is hidden
 
 
 class Prefiller:
@@ -95,6 +97,7 @@ class Prefiller:
         recompute_ratio: float | None = None,
         prefix_cache: PrefixCache | None = None,
         kv_read_delay_s: float = 0.0,
+        selection: Selection = Selection.HKVD,
     ):
         self.runner = runner
         self.store = store
@@ -105,6 +108,7 @@ class Prefiller:
         self.recompute_ratio = recompute_ratio
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.kv_read_delay_s = kv_read_delay_s
+        self.selection = selection
 
     def chunk_key(self, tokens: tuple[int, ...]) -> str:
         return chunk_key(self.fingerprint, tokens)
@@ -136,37 +140,65 @@ class Prefiller:
         mode: Mode,
         recompute_ratio: float | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        opened: KVLayerStream | None = None,
     ) -> Prefill:
         """Build the KV cache of a laid-out prompt, into `out` when given.
 
         `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
         engine has none. A missing chunk is computed in full; a chunk that turns out bad while
         streaming is dropped and the prefill runs again without it, so a bad entry never fails
-        a request.
+        a request. When the controller falls back, only exact KV is reused, and the streams
+        opened for blending probe the tiers while the prompt is computed. `opened` is the
+        stream `open_ahead` returned for this prompt (the prefill takes it over and closes it).
         """
         start = time.perf_counter()
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         reuse = mode is not Mode.FULL_PREFILL
         prefix_kv = self.prefix_cache.get(layout.prefix) if reuse else None
         excluded: set[str] = set()
+        first_layer = self._first_layer(layout, mode, recompute_ratio)
         while True:
-            stream = self._open(layout, mode, keys, excluded)
+            stream: KVLayerStream | None
+            if opened is not None:
+                stream, opened = opened, None
+            else:
+                stream = self._open(layout, mode, keys, excluded, first_layer)
             present = stream.present if stream is not None else [False] * len(keys)
             tiers: list[str | None] = stream.tiers if stream is not None else [None] * len(keys)
+            exact: KVLayerStream | None = None
             try:
                 choice = self._choose(layout, mode, recompute_ratio, tiers, prefix_kv is not None)
-                # The controller's fallback is a true full prefill: with every position
-                # computed, the plain causal kernel beats any reuse.
-                plan = plan_prefill(
-                    layout,
-                    Mode.FULL_PREFILL if choice.full_prefill else mode,
-                    present,
-                    prefix_kv is not None,
-                    self.chunk_prefix,
-                    choice.recompute_ratio,
-                    choice.check_layers,
-                )
-                used = stream if plan.streamed_chunks else None
+                if choice.full_prefill:
+                    # The fallback reuses only what is exact: the cached prefix and, when its
+                    # load hides behind the compute, the exact first chunk, read by a stream of
+                    # its own. `stream` stays unread but open until the compute is done: its
+                    # loader, already at work, probes the tier off the critical path.
+                    if choice.keep_exact:
+                        exact = self._open_exact(keys[0])
+                    used = exact if exact is not None and exact.present[0] else None
+                    plan = plan_prefill(
+                        layout,
+                        Mode.PREFIX_CACHE,
+                        [j == 0 and used is not None for j in range(len(keys))],
+                        prefix_kv is not None,
+                        self.chunk_prefix,
+                        1.0,
+                        choice.check_layers,
+                    )
+                else:
+                    plan = plan_prefill(
+                        layout,
+                        mode,
+                        present,
+                        prefix_kv is not None,
+                        self.chunk_prefix,
+                        choice.recompute_ratio,
+                        choice.check_layers,
+                        self.selection,
+                    )
+                    used = stream if plan.streamed_chunks else None
+                    if used is not None:
+                        used.skip_to(plan.first_streamed_layer)
                 output = run_prefill(
                     self.runner, plan, prefix_kv if plan.prefix_cached else None, used, out
                 )
@@ -176,8 +208,9 @@ class Prefiller:
                 excluded.update(keys if exc.key is None else [exc.key])
                 continue
             finally:
-                if stream is not None:
-                    stream.close()
+                for opened in (stream, exact):
+                    if opened is not None:
+                        opened.close()
             break
         if reuse and prefix_kv is None:
             end = plan.prefix_len
@@ -185,7 +218,13 @@ class Prefiller:
                 layout.prefix,
                 PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
             )
-        self._observe(output, used)
+        self._observe(
+            layout,
+            output,
+            stream if choice.full_prefill else None,
+            used,
+            layout.chunks[:1] if choice.full_prefill else layout.chunks,
+        )
         # Only the blending modes stream every chunk, so only they know which had no KV.
         blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
         missing = [
@@ -209,11 +248,38 @@ class Prefiller:
             time.perf_counter() - start,
         )
 
-    def _open(
-        self, layout: PromptLayout, mode: Mode, keys: list[str], excluded: set[str]
+    def _first_layer(self, layout: PromptLayout, mode: Mode, requested: float | None) -> int:
+        """The lowest layer the plan can read from the stream, known before it is made: the
+        first check layer when cacheblend selects (a ratio above 0: the controller's is at
+        least its floor, and its check layers only move up) and no chunk can be exact."""
+        if mode is not Mode.CACHEBLEND or layout.prefix == self.chunk_prefix:
+            return 0
+        ratio = requested if requested is not None else self.recompute_ratio
+        if ratio is None:
+            ratio = self.controller.min_ratio
+        return self.check_layers[0] if ratio > 0 else 0
+
+    def open_ahead(
+        self, layout: PromptLayout, mode: Mode, recompute_ratio: float | None = None
     ) -> KVLayerStream | None:
-        """Streams of every chunk the mode could reuse (a key in `excluded` counts as absent);
-        opened before planning, so the loader starts while the plan is made."""
+        """The stream `prefill` would open first for this prompt, opened now: the store's one
+        loader reads its first layers while the prompts ahead of it in the step compute."""
+        keys = [self.chunk_key(tokens) for tokens in layout.chunks]
+        return self._open(
+            layout, mode, keys, set(), self._first_layer(layout, mode, recompute_ratio)
+        )
+
+    def _open(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        keys: list[str],
+        excluded: set[str],
+        first_layer: int,
+    ) -> KVLayerStream | None:
+        """Streams of every chunk the mode could reuse (a key in `excluded` counts as absent),
+        from `first_layer`; opened before planning, so the loader starts while the plan is
+        made."""
         if mode is Mode.FULL_PREFILL or not keys:
             return None
         if mode is Mode.PREFIX_CACHE:
@@ -226,7 +292,16 @@ class Prefiller:
             for key, ok in zip(keys, usable, strict=True)
         ]
         return self.store.open_stream(
-            wanted, device=self.runner.device, read_delay_s=self.kv_read_delay_s
+            wanted,
+            device=self.runner.device,
+            read_delay_s=self.kv_read_delay_s,
+            first_layer=first_layer,
+        )
+
+    def _open_exact(self, key: str) -> KVLayerStream:
+        """Every layer of one chunk, for a fallback that reuses it as an exact hit."""
+        return self.store.open_stream(
+            [key], device=self.runner.device, read_delay_s=self.kv_read_delay_s
         )
 
     def _choose(
@@ -245,38 +320,80 @@ class Prefiller:
             return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
         if mode is not Mode.CACHEBLEND or not any(tiers):
             return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
-        shape = self.runner.shape
-        token_bytes = 2 * shape.num_kv_heads * shape.head_dim * self.runner.dtype.itemsize
-        layer_bytes: dict[str, int] = {}
-        for tokens, tier in zip(layout.chunks, tiers, strict=True):
-            if tier is not None:
-                layer_bytes[tier] = layer_bytes.get(tier, 0) + token_bytes * len(tokens)
-        computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
-        decision = self.controller.decide(computed, layer_bytes, shape.num_layers)
+        num_layers = self.runner.shape.num_layers
+        # The fallback reuses the cached prefix and an exact first chunk too: either way the
+        # compute to compare with the loads is that of the other tokens.
+        exact = bool(tiers) and tiers[0] is not None and layout.prefix == self.chunk_prefix
+        computed = (
+            layout.num_tokens
+            - (len(layout.prefix) if prefix_cached else 0)
+            - (len(layout.chunks[0]) if exact else 0)
+        )
+        decision = self.controller.decide(
+            computed, self._layer_bytes(layout.chunks, tiers), num_layers
+        )
+        keep_exact = (
+            exact
+            and decision.full_prefill
+            and not self.controller.decide(
+                computed, self._layer_bytes(layout.chunks[:1], tiers[:1]), num_layers
+            ).full_prefill
+        )
         shift = decision.leading_layers - self.check_layers[0]
-        checks = tuple(c + shift for c in self.check_layers if c + shift < shape.num_layers)
+        checks = tuple(c + shift for c in self.check_layers if c + shift < num_layers)
         return RatioChoice(
             decision.recompute_ratio,
             checks or (decision.leading_layers,),
             "controller",
             decision.full_prefill,
+            keep_exact,
         )
 
-    def _observe(self, output: PrefillOutput, stream: KVLayerStream | None) -> None:
-        """Feed the controller what this prefill measured: the loader's wall time per layer
-        (what the pipeline waits on, a mixed stream counted as its slowest tier) and the time
-        of the layers computed for every token."""
-        if stream is not None and stream.timings:
-            tier = "ssd" if "ssd" in stream.tiers else "memory"
-            self.controller.observe_load(
-                tier,
-                sum(t.bytes_loaded for t in stream.timings),
-                sum(t.load_end_s - t.load_start_s for t in stream.timings),
-            )
+    def _layer_bytes(
+        self, chunks: tuple[tuple[int, ...], ...], tiers: list[str | None]
+    ) -> dict[str, int]:
+        """Bytes of one layer of the chunks' KV per tier they are read from, as the model
+        holds it (the unit of the controller's estimates, whatever a tier stores)."""
+        shape = self.runner.shape
+        token_bytes = 2 * shape.num_kv_heads * shape.head_dim * self.runner.dtype.itemsize
+        layer_bytes: dict[str, int] = {}
+        for tokens, tier in zip(chunks, tiers, strict=True):
+            if tier is not None:
+                layer_bytes[tier] = layer_bytes.get(tier, 0) + token_bytes * len(tokens)
+        return layer_bytes
+
+    def _observe(
+        self,
+        layout: PromptLayout,
+        output: PrefillOutput,
+        probe: KVLayerStream | None,
+        used: KVLayerStream | None,
+        used_chunks: tuple[tuple[int, ...], ...],
+    ) -> None:
+        """Feed the controller what this prefill measured: the loader's time per layer of the
+        fallback's probe (over every chunk) and of the stream the layer loop read (over
+        `used_chunks`), and the time of the layers computed for every token."""
+        if probe is not None:
+            self._observe_stream(layout.chunks, probe, probe=True)
+        if used is not None:
+            self._observe_stream(used_chunks, used, probe=False)
         widest = max((c.num_tokens for c in output.layer_computes), default=0)
         for c in output.layer_computes:
             if c.num_tokens == widest:
                 self.controller.observe_compute(c.num_tokens, c.compute_end_s - c.compute_start_s)
+
+    def _observe_stream(
+        self, chunks: tuple[tuple[int, ...], ...], stream: KVLayerStream, probe: bool
+    ) -> None:
+        """The layers a (closed) stream loaded, whether or not they were read."""
+        if not stream.timings:
+            return
+        layers = len(stream.timings)
+        self.controller.observe_load(
+            {t: n * layers for t, n in self._layer_bytes(chunks, stream.tiers).items()},
+            sum(t.load_end_s - t.load_start_s for t in stream.timings),
+            probe,
+        )
 
     @staticmethod
     def _timeline(

@@ -1,4 +1,5 @@
-"""An LRU of exact prompt-prefix KV (system prompt and template start), like prefix caching."""
+"""The exact prompt-prefix KV (system prompt and template start), like prefix caching: entries of
+the KV store's fastest tier (gpu on CUDA, host memory on the CPU), never written to SSD."""
 
 from __future__ import annotations
 
@@ -6,26 +7,45 @@ import threading
 from collections import OrderedDict
 
 from engine.blend import PrefixKV
+from kvstore.store import KVStore
+from kvstore.types import ChunkKV, chunk_key
 
 
 class PrefixCache:
-    def __init__(self, capacity: int = 16):
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[int, ...], PrefixKV] = OrderedDict()
+    """At most `capacity` prefixes, least recently used dropped first; the tier's byte budget
+    may drop them earlier. Without a store (or with capacity 0) nothing is cached."""
+
+    def __init__(self, capacity: int = 16, store: KVStore | None = None, fingerprint: str = ""):
+        self.capacity = capacity if store is not None else 0
+        self.store = store
+        self._namespace = f"{fingerprint}/prefix"
+        self._keys: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, prefix: tuple[int, ...]) -> PrefixKV | None:
         with self._lock:
-            entry = self._entries.get(prefix)
-            if entry is not None:
-                self._entries.move_to_end(prefix)
-            return entry
+            key = self._keys.get(prefix)
+            if key is None or self.store is None:
+                return None
+            self._keys.move_to_end(prefix)
+        kv = self.store.get_local(key)
+        if kv is None:  # the tier evicted it for room
+            with self._lock:
+                self._keys.pop(prefix, None)
+            return None
+        return PrefixKV(kv.keys, kv.values)
 
     def put(self, prefix: tuple[int, ...], kv: PrefixKV) -> None:
-        if self.capacity <= 0:
+        if self.capacity <= 0 or self.store is None or not prefix:
+            return
+        key = chunk_key(self._namespace, prefix)
+        if not self.store.put_local(key, ChunkKV(keys=kv.keys, values=kv.values)):
             return
         with self._lock:
-            self._entries[prefix] = kv
-            self._entries.move_to_end(prefix)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            self._keys[prefix] = key
+            self._keys.move_to_end(prefix)
+            evicted = []
+            while len(self._keys) > self.capacity:
+                evicted.append(self._keys.popitem(last=False)[1])
+        for old in evicted:
+            self.store.tiers[0].discard(old)

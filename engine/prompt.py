@@ -26,6 +26,7 @@ class PromptLayout:
     prefix: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...]
     suffix: tuple[int, ...]
+    dropped_chunks: int = 0  # left out from the end by fitted()
 
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
@@ -43,6 +44,15 @@ class PromptLayout:
             spans.append((start, len(chunk)))
             start += len(chunk)
         return tuple(spans)
+
+    def fitted(self, max_tokens: int) -> PromptLayout:
+        """This layout with chunks dropped from the end until it has at most `max_tokens`
+        tokens; prefix and suffix always stay, so the result may still be longer."""
+        chunks, total = list(self.chunks), self.num_tokens
+        while chunks and total > max_tokens:
+            total -= len(chunks.pop())
+        dropped = self.dropped_chunks + len(self.chunks) - len(chunks)
+        return PromptLayout(self.prefix, tuple(chunks), self.suffix, dropped)
 
 
 class PromptBuilder:

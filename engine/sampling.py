@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+SEED_SPACE = 2**64  # torch seeds are unsigned 64-bit
+
 
 class Sampler:
     def __init__(self, temperature: float, top_p: float, seed: int | None):
@@ -14,17 +16,27 @@ class Sampler:
         if seed is None:
             self.generator.seed()
         else:
-            self.generator.manual_seed(seed)
+            # Any int seed, negative included, maps to one torch seed (the same one every time).
+            self.generator.manual_seed(seed % SEED_SPACE)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        """One token id from logits [vocab]."""
+        """One token id from logits [vocab]; any temperature > 0 and top_p in (0, 1] are safe:
+        a temperature too small to divide by leaves the top token alone, i.e. greedy."""
         if self.temperature == 0.0:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        # float64 and the max subtracted first: a temperature like 1e-246 (0 in float32) gives
+        # -inf for every token but the top ones, never inf - inf.
+        logits64 = logits.detach().to("cpu", torch.float64)
+        probs = torch.softmax((logits64 - logits64.max()) / self.temperature, dim=-1)
         if self.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            # Keep the smallest set whose mass reaches top_p; the top token always stays, even
+            # for a top_p below the smallest float of the tensor.
             outside = sorted_probs.cumsum(0) - sorted_probs >= self.top_p
+            outside[0] = False
             sorted_probs[outside] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        total = float(probs.sum())
+        if not (torch.isfinite(probs).all() and total > 0.0):
+            return int(logits64.argmax())  # logits that were not finite: nothing to sample from
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -16,6 +16,7 @@ from engine.types import GenerateRequest, GenerateResult, TokenDelta
 if TYPE_CHECKING:
     from engine.prefill import Prefill
     from engine.sampling import Sampler
+    from engine.shadow import ShadowSample
 
 Event = TokenDelta | GenerateResult | BaseException
 _ids = itertools.count()
@@ -45,6 +46,7 @@ class Sequence:
     prefill: Prefill | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None
+    shadow: ShadowSample | None = None  # sampled for a shadow check: what the blend gave
 
     @property
     def num_prompt_tokens(self) -> int:

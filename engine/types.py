@@ -6,6 +6,7 @@ The engine service converts its pydantic schemas into these; the engine never se
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -55,6 +56,8 @@ class GenerateRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, like vLLM's option)
+    # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
+    fit_context: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -142,10 +145,25 @@ class GenerateResult:
     # Where each chunk's KV was found at lookup ("memory", "ssd" or None), and bytes read.
     chunk_tiers: list[str | None] = field(default_factory=list)
     load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    dropped_chunks: int = 0  # by fit_context, from the end of the request's chunks
+
+
+@dataclass(frozen=True)
+class ChunkWrite:
+    """What precomputing one chunk did: skipped (already stored), or computed `nbytes` of KV
+    whose write to the store's last tier `written` resolves (True) or failed (False)."""
+
+    skipped: bool
+    nbytes: int = 0
+    written: Future[bool] | None = None
 
 
 @dataclass
 class PrecomputeResult:
+    """Chunks written to the store's last tier (SSD, else memory), already there, and computed
+    but not written (a failed SSD write: memory-only at best); bytes of KV computed."""
+
     stored: int = 0
     skipped: int = 0
+    failed: int = 0
     bytes: int = 0

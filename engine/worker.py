@@ -1,5 +1,6 @@
-"""The engine's one model thread: engine steps while sequences wait or run, and background
-work (precompute, KV write-back) between steps when idle, or once it has waited too long."""
+"""The engine's one model thread: engine steps while sequences wait or run, background work
+(precompute, KV write-back) between steps when idle or once it has waited too long, and idle
+work (shadow checks) only when there is nothing else to do."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ BACKGROUND_MAX_WAIT_S = 2.0
 
 
 class Worker:
-    """Calls `step()` while `has_work()`; runs submitted background callables FIFO in between.
+    """Calls `step()` while `has_work()`; runs submitted background callables FIFO in between;
+    with neither, calls `idle()` (one short piece of work; False: none left) until it says so.
 
-    `step` and `has_work` run on the worker thread only; `wake()` tells it that new work came.
+    `step`, `has_work` and `idle` run on the worker thread only; `wake()` tells it that new
+    work came.
     """
 
     def __init__(
@@ -30,9 +33,11 @@ class Worker:
         step: Callable[[], None],
         has_work: Callable[[], bool],
         name: str = "ragblend-engine",
+        idle: Callable[[], bool] = lambda: False,
     ):
         self._step = step
         self._has_work = has_work
+        self._idle = idle
         self._background: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -90,6 +95,13 @@ class Worker:
             self._background.popleft()
             return task
 
+    def _run_idle(self) -> bool:
+        try:
+            return self._idle()
+        except Exception:  # idle work is optional: its failure must not stop the engine
+            log.exception("idle work failed")
+            return False
+
     def _loop(self) -> None:
         while True:
             busy = self._has_work()
@@ -103,6 +115,8 @@ class Worker:
                 task()
                 continue
             if busy:
+                continue
+            if not self._closing and self._run_idle():
                 continue
             with self._cond:
                 if self._closing and not self._background:

@@ -21,6 +21,11 @@ def run(args: argparse.Namespace) -> int:
     from gateway.api.main import create_app
 
     settings = settings_from_args(GatewaySettings, args, "gateway")
+    # The gateway writes its own access log, once a request's last byte is sent (middleware).
     return serve(
-        create_app, settings, args, timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None
+        create_app,
+        settings,
+        args,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+        access_log=False,
     )

@@ -47,3 +47,27 @@ class DependencyFailedError(GatewayDependencyError):
         super().__init__(f"{dependency} failed: {detail}")
         self.dependency = dependency
         self.detail = detail
+
+
+class DependencyTimeoutError(GatewayDependencyError):
+    """A dependency did not answer within the time the gateway gives it: a 504 naming it
+    (not retried: the same wait would only repeat)."""
+
+    def __init__(self, dependency: str, reason: str):
+        super().__init__(f"{dependency} timed out: {reason}")
+        self.dependency = dependency
+        self.reason = reason
+
+
+def http_status(exc: GatewayDependencyError) -> int:
+    """The status a client gets for `exc` (the exception handlers of gateway.api.handlers;
+    a rejection that is not passed on is a 502)."""
+    if isinstance(exc, DependencyUnavailableError):
+        return 503
+    if isinstance(exc, DependencyBusyError):
+        return 429
+    if isinstance(exc, DependencyTimeoutError):
+        return 504
+    if isinstance(exc, DependencyRejectedError) and exc.status_code in (400, 404, 413, 415, 422):
+        return exc.status_code
+    return 502

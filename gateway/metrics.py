@@ -74,12 +74,12 @@ class GatewayMetrics:
         self.upstream_errors = Counter(
             "ragblend_gateway_upstream_errors",
             "Failed calls to a dependency, by dependency "
-            "and kind (unavailable, busy, rejected, failed)",
+            "and kind (unavailable, timeout, busy, rejected, failed)",
             ["dependency", "kind"],
             registry=r,
         )
         for dependency in ("retriever", "engine"):  # zero series, so dashboards show 0 errors
-            for kind in ("unavailable", "busy", "rejected", "failed"):
+            for kind in ("unavailable", "timeout", "busy", "rejected", "failed"):
                 self.upstream_errors.labels(dependency, kind)
         self.documents = Counter(
             "ragblend_gateway_documents",

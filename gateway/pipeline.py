@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 
 from gateway.clients.engine import EnginePool, EngineStream
 from gateway.clients.retriever import RetrieverClient
+from gateway.errors import GatewayDependencyError
 from gateway.metrics import GatewayMetrics
 from gateway.types import Delta, EngineRequest, EngineResult, Source
 
@@ -23,29 +24,37 @@ class TimedStream:
         generation: EngineRequest,
         metrics: GatewayMetrics,
         arrived_at: float,
+        sent_at: float,
     ):
         self.stream = stream
         self.generation = generation
         self.metrics = metrics
         self.arrived_at = arrived_at
-        self.sent_at = time.perf_counter()
+        self.sent_at = sent_at
         self.ttft_s: float | None = None
+        # Set when the stream broke off after it began: the client got a 200 and an error event.
+        self.failure: GatewayDependencyError | None = None
 
     @property
-    def engine_url(self) -> str:
-        return self.stream.url
+    def engine(self) -> str:
+        """The name of the engine serving it ("engine-0"…)."""
+        return self.stream.engine.name
 
     async def events(self) -> AsyncIterator[Delta | EngineResult]:
-        async for event in self.stream.events():
-            now = time.perf_counter()
-            if self.ttft_s is None and (isinstance(event, EngineResult) or event.text):
-                self.ttft_s = now - self.arrived_at
-                self.metrics.ttft.labels(self.generation.mode).observe(self.ttft_s)
-            if isinstance(event, EngineResult):
-                self.metrics.observe_generation(
-                    self.generation.mode, event.usage, now - self.sent_at
-                )
-            yield event
+        try:
+            async for event in self.stream.events():
+                now = time.perf_counter()
+                if self.ttft_s is None and (isinstance(event, EngineResult) or event.text):
+                    self.ttft_s = now - self.arrived_at
+                    self.metrics.ttft.labels(self.generation.mode).observe(self.ttft_s)
+                if isinstance(event, EngineResult):
+                    self.metrics.observe_generation(
+                        self.generation.mode, event.usage, now - self.sent_at
+                    )
+                yield event
+        except GatewayDependencyError as exc:
+            self.failure = exc
+            raise
 
     async def collect(self) -> EngineResult:
         async for event in self.events():
@@ -61,11 +70,28 @@ class Pipeline:
         self.metrics = metrics
 
     async def retrieve(
-        self, question: str, top_k: int, doc_ids: list[str] | None, *, request_id: str
+        self,
+        question: str,
+        top_k: int,
+        doc_ids: list[str] | None,
+        collections: list[str] | None,
+        *,
+        request_id: str,
+        retrieval: str | None = None,
+        hops: int = 1,
     ) -> tuple[list[Source], float]:
-        """The top_k chunks and the seconds the search took."""
+        """The top_k chunks, best first (then the second hop's), and the seconds the search
+        took."""
         start = time.perf_counter()
-        sources = await self.retriever.search(question, top_k, doc_ids, request_id=request_id)
+        sources = await self.retriever.search(
+            question,
+            top_k,
+            doc_ids,
+            collections,
+            request_id=request_id,
+            retrieval=retrieval,
+            hops=hops,
+        )
         elapsed_s = time.perf_counter() - start
         self.metrics.retrieval_seconds.observe(elapsed_s)
         return sources, elapsed_s
@@ -75,6 +101,7 @@ class Pipeline:
         self, generation: EngineRequest, *, request_id: str, arrived_at: float
     ) -> AsyncIterator[TimedStream]:
         """An open engine stream; leaving the context early cancels the engine's work."""
+        sent_at = time.perf_counter()
         async with self.engines.generate(generation, request_id=request_id) as stream:
-            self.metrics.engine_requests.labels(stream.url).inc()
-            yield TimedStream(stream, generation, self.metrics, arrived_at)
+            self.metrics.engine_requests.labels(stream.engine.name).inc()
+            yield TimedStream(stream, generation, self.metrics, arrived_at, sent_at)

@@ -4,10 +4,13 @@ derived from them, validated when the class is built."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from gateway.auth import load_keys
 
 
 class GatewaySettings(BaseSettings):
@@ -23,11 +26,18 @@ class GatewaySettings(BaseSettings):
     max_concurrency: int = Field(64, ge=1, description="queries in flight; beyond: 429")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with a 429")
     connect_timeout_s: float = Field(2.0, gt=0)
-    retrieval_timeout_s: float = Field(30.0, gt=0)
+    retrieval_timeout_s: float = Field(
+        10.0, gt=0, description="the longest a request waits on the retriever, retries included"
+    )
     ingest_timeout_s: float = Field(600.0, gt=0, description="retriever ingest of one document")
     precompute_timeout_s: float = Field(600.0, gt=0)
     # Between two streamed events of the engine; covers its queue wait and prefill.
     generate_timeout_s: float = Field(300.0, gt=0)
+    ttft_timeout_s: float = Field(
+        10.0, gt=0, description="first engine event deadline (plus its queue estimate)"
+    )
+    health_interval_s: float = Field(2.0, gt=0, description="engine health poll period")
+    health_timeout_s: float = Field(1.0, gt=0, description="one health probe")
     retries: int = Field(2, ge=0, description="extra tries of idempotent calls")
     retry_backoff_s: float = Field(0.2, ge=0, description="first backoff; doubles per try")
     default_top_k: int = Field(4, ge=1)
@@ -36,15 +46,29 @@ class GatewaySettings(BaseSettings):
     max_tokens_limit: int = Field(4096, ge=1)
     model_name: str = Field("ragblend", description="model id shown by /v1/models")
     shutdown_grace_s: float = Field(30.0, ge=0, description="drain time for in-flight streams")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit")
+    max_upload_bytes: int = Field(50 << 20, ge=1024, description="POST /v1/documents body limit")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        [], repr=False, description="API keys allowed every collection"
+    )
+    api_keys_file: Path | None = Field(
+        None, description='JSON [{"name", "key" or "sha256", "collections"}]'
+    )
+    internal_token: str | None = Field(
+        None, repr=False, description="bearer token sent to the retriever and the engines"
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        [], description="browser origins allowed to call the API (none: CORS off)"
+    )
 
     @field_validator("retriever_url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
 
-    @field_validator("engine_urls", mode="before")
+    @field_validator("engine_urls", "api_keys", "cors_origins", mode="before")
     @classmethod
-    def _split_urls(cls, value: object) -> object:
+    def _split_list(cls, value: object) -> object:
         # A comma-separated string (a CLI flag or an env var) or a JSON list.
         if isinstance(value, str):
             if value.lstrip().startswith("["):
@@ -68,4 +92,5 @@ class GatewaySettings(BaseSettings):
             raise ValueError("default_top_k must not exceed max_top_k")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        load_keys(self.api_keys, self.api_keys_file)  # a bad key file fails at startup
         return self

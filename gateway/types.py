@@ -12,6 +12,7 @@ class Source:
     doc_id: str
     score: float
     text: str
+    collection: str | None = None  # None from a retriever older than collections
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,28 @@ class EngineRequest:
     def chunk_ids(self) -> list[str]:
         return [s.chunk_id for s in self.sources]
 
-    def engine_body(self) -> dict[str, Any]:
-        """The engine's /v1/generate body, always streamed: the gateway needs the first token's
-        time and must notice a dropped client while the engine is still working."""
+    def unique_sources(self) -> list[Source]:
+        """The sources as the engine gets them, best first, each chunk once (the same chunk
+        twice would only cost positions)."""
         seen: set[str] = set()
-        chunks = []
+        unique = []
         for source in self.sources:
-            if source.chunk_id not in seen:  # the same chunk twice would only cost positions
+            if source.chunk_id not in seen:
                 seen.add(source.chunk_id)
-                chunks.append({"id": source.chunk_id, "text": source.text})
-        return {
+                unique.append(source)
+        return unique
+
+    def used_sources(self, dropped_chunks: int) -> list[Source]:
+        """The sources the engine kept after dropping `dropped_chunks` from the end to fit."""
+        unique = self.unique_sources()
+        return unique[: len(unique) - dropped_chunks]
+
+    def engine_body(self, *, fit_context: bool) -> dict[str, Any]:
+        """The engine's /v1/generate body, always streamed: the gateway needs the first token's
+        time and must notice a dropped client while the engine is still working. With
+        `fit_context` the engine drops chunks from the end (the worst) until the prompt fits."""
+        chunks = [{"id": s.chunk_id, "text": s.text} for s in self.unique_sources()]
+        body: dict[str, Any] = {
             "system": self.system,
             "chunks": chunks,
             "question": self.question,
@@ -56,6 +69,9 @@ class EngineRequest:
             "stop": list(self.stop) or None,
             "stream": True,
         }
+        if fit_context:
+            body["fit_context"] = True
+        return body
 
 
 @dataclass(frozen=True)
@@ -65,12 +81,13 @@ class Delta:
 
 @dataclass
 class EngineResult:
-    """The engine's final result event, plus which engine served it."""
+    """The engine's final result event, plus which engine served it (by name, "engine-0"…)."""
 
     text: str
     finish_reason: str
     usage: dict[str, int]
     timings: dict[str, Any]
     blend: dict[str, Any]
-    engine_url: str
+    engine: str
     chunk_tiers: list[str | None] = field(default_factory=list)
+    dropped_chunks: int = 0  # chunks left out (from the end) so that the prompt fit

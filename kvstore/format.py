@@ -10,18 +10,28 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from kvstore import codec
+from kvstore.codec import Encoding, QuantizedPair
 from kvstore.errors import KVCorruptError, KVModelMismatchError, KVVersionError
 from kvstore.types import ChunkKV
 
 MAGIC = b"RBLENDKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the encoding field and per-layer scales; 1 is read as "none"
+READABLE_VERSIONS = (1, FORMAT_VERSION)
 ALIGN = 4096  # direct I/O needs offsets, lengths and buffers aligned to the logical block size
+SCALE_ALIGN = 16  # the float32 scales are viewed in place in the read buffer
 POSITIONS = "pre_rope"
 MAX_HEADER_BYTES = 1 << 20  # refuse to allocate for a garbage data offset before its checksum
 
 # magic, version, data_offset, num_layers, num_kv_heads, num_tokens, head_dim, dtype, positions,
-# fingerprint length, key length; then fingerprint, key, one u64 per layer, the header checksum.
-_FIXED = struct.Struct("<8sIIIIII16s16sHH")
+# encoding (version 2 on), fingerprint length, key length; then fingerprint, key, one u64 per
+# layer, the header checksum.
+_FIXED_BY_VERSION = {
+    1: struct.Struct("<8sIIIIII16s16sHH"),
+    2: struct.Struct("<8sIIIIII16s16s16sHH"),
+}
+_FIXED = _FIXED_BY_VERSION[FORMAT_VERSION]
+_PREFIX = struct.Struct("<8sII")  # magic, version, data_offset: the same in every version
 _U64 = struct.Struct("<Q")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -38,7 +48,8 @@ def align_up(nbytes: int, align: int = ALIGN) -> int:
 
 @dataclass(frozen=True)
 class EntryHeader:
-    """What the header of one entry file says; offsets are in bytes from the start of the file."""
+    """What the header of one entry file says; offsets are in bytes from the start of the file.
+    `dtype` is the dtype of the values before encoding (what a reader gets back)."""
 
     key: str
     model_fingerprint: str
@@ -50,16 +61,43 @@ class EntryHeader:
     positions: str
     layer_checksums: tuple[int, ...]
     data_offset: int
+    encoding: Encoding
+    version: int
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return codec.storage_dtype(self.encoding, self.dtype)
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes of one layer's K (or V) of this chunk."""
-        return self.num_kv_heads * self.num_tokens * self.head_dim * self.dtype.itemsize
+        """Bytes of one layer's K (or V) payload of this chunk, as stored."""
+        return self.num_kv_heads * self.num_tokens * self.head_dim * self.storage_dtype.itemsize
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of the whole entry decoded (`ChunkKV.nbytes`): what it takes in memory."""
+        values = self.num_layers * self.num_kv_heads * self.num_tokens * self.head_dim
+        return 2 * values * self.dtype.itemsize
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of one layer's K (or V) scales: one float32 per head and channel, or none."""
+        if self.encoding == "none":
+            return 0
+        return self.num_kv_heads * self.head_dim * codec.SCALE_DTYPE.itemsize
+
+    @property
+    def scales_offset(self) -> int:
+        """Where a layer's K scales start, from the layer's offset (V scales follow)."""
+        if self.encoding == "none":
+            return 2 * self.kv_nbytes
+        return align_up(2 * self.kv_nbytes, SCALE_ALIGN)
 
     @property
     def layer_stride(self) -> int:
-        """Bytes from one layer's K to the next layer's K: K, V, then zero padding to ALIGN."""
-        return align_up(2 * self.kv_nbytes)
+        """Bytes from one layer's K to the next layer's K: K, V, K scales, V scales, then zero
+        padding to ALIGN."""
+        return align_up(self.scales_offset + 2 * self.scale_nbytes)
 
     @property
     def file_size(self) -> int:
@@ -69,20 +107,53 @@ class EntryHeader:
         return self.data_offset + layer * self.layer_stride
 
 
+@dataclass(frozen=True)
+class EncodedKV:
+    """A chunk's KV as an entry stores it: payloads [L, H_kv, n, D] in the encoding's storage
+    dtype and, unless the encoding is "none", scales [L, H_kv, 1, D] float32."""
+
+    dtype: torch.dtype
+    encoding: Encoding
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+
+    def layer_parts(self, layer: int) -> list[memoryview]:
+        """The bytes of one layer in file order: K, V, then K and V scales if any."""
+        parts = [_as_bytes(self.keys[layer]), _as_bytes(self.values[layer])]
+        if self.key_scales is not None and self.value_scales is not None:
+            parts += [_as_bytes(self.key_scales[layer]), _as_bytes(self.value_scales[layer])]
+        return parts
+
+
+def encode(kv: ChunkKV, encoding: str = "none") -> EncodedKV:
+    """`kv` (host tensors) ready to write in `encoding`; ValueError for a dtype the format cannot
+    store or an unknown encoding."""
+    if kv.keys.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {kv.keys.dtype} is not storable; use one of {list(_DTYPES)}")
+    name = codec.check_encoding(encoding)
+    if name == "none":
+        return EncodedKV(kv.keys.dtype, name, kv.keys, kv.values)
+    keys, key_scales = codec.quantize(kv.keys, name)
+    values, value_scales = codec.quantize(kv.values, name)
+    return EncodedKV(kv.keys.dtype, name, keys, values, key_scales, value_scales)
+
+
 def supported_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(_DTYPES.values())
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """Raw bytes of a CPU tensor; bf16 goes through a uint8 view because numpy has no bf16."""
+    """Raw bytes of a CPU tensor; bf16 and fp8 go through a uint8 view (numpy has neither)."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return flat.numpy().data
 
 
-def _layer_checksum(k_bytes: memoryview, v_bytes: memoryview) -> int:
+def _layer_checksum(parts: list[memoryview]) -> int:
     digest = xxhash.xxh3_64()
-    digest.update(k_bytes)
-    digest.update(v_bytes)
+    for part in parts:
+        digest.update(part)
     return digest.intdigest()
 
 
@@ -92,14 +163,14 @@ def _padded_ascii(text: str, size: int) -> bytes:
     return raw.ljust(size, b"\0")
 
 
-def build_header(key: str, model_fingerprint: str, kv: ChunkKV) -> tuple[EntryHeader, bytes]:
-    """The header of `kv` and its bytes, zero-padded to `data_offset`; kv must be on the CPU."""
-    if kv.keys.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {kv.keys.dtype} is not storable; use one of {list(_DTYPES)}")
-    num_layers, num_kv_heads, num_tokens, head_dim = kv.keys.shape
-    checksums = tuple(
-        _layer_checksum(_as_bytes(kv.keys[i]), _as_bytes(kv.values[i])) for i in range(num_layers)
-    )
+def build_header(
+    key: str, model_fingerprint: str, kv: ChunkKV | EncodedKV
+) -> tuple[EntryHeader, bytes]:
+    """The header of `kv` (a ChunkKV is written as encoding "none") and its bytes, zero-padded to
+    `data_offset`; kv must be on the CPU."""
+    encoded = kv if isinstance(kv, EncodedKV) else encode(kv)
+    num_layers, num_kv_heads, num_tokens, head_dim = encoded.keys.shape
+    checksums = tuple(_layer_checksum(encoded.layer_parts(i)) for i in range(num_layers))
     fingerprint_raw, key_raw = model_fingerprint.encode(), key.encode("ascii")
     body = bytearray(
         _FIXED.pack(
@@ -110,8 +181,9 @@ def build_header(key: str, model_fingerprint: str, kv: ChunkKV) -> tuple[EntryHe
             num_kv_heads,
             num_tokens,
             head_dim,
-            _padded_ascii(_DTYPE_NAMES[kv.keys.dtype], 16),
+            _padded_ascii(_DTYPE_NAMES[encoded.dtype], 16),
             _padded_ascii(POSITIONS, 16),
+            _padded_ascii(encoded.encoding, 16),
             len(fingerprint_raw),
             len(key_raw),
         )
@@ -123,7 +195,7 @@ def build_header(key: str, model_fingerprint: str, kv: ChunkKV) -> tuple[EntryHe
     header = EntryHeader(
         key=key,
         model_fingerprint=model_fingerprint,
-        dtype=kv.keys.dtype,
+        dtype=encoded.dtype,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         num_tokens=num_tokens,
@@ -131,6 +203,8 @@ def build_header(key: str, model_fingerprint: str, kv: ChunkKV) -> tuple[EntryHe
         positions=POSITIONS,
         layer_checksums=checksums,
         data_offset=data_offset,
+        encoding=encoded.encoding,
+        version=FORMAT_VERSION,
     )
     return header, bytes(body.ljust(data_offset, b"\0"))
 
@@ -142,66 +216,78 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[written:]
 
 
-def write_entry(fd: int, header: EntryHeader, header_bytes: bytes, kv: ChunkKV) -> None:
-    """Write the whole entry (the header from `build_header`, then every layer of `kv`) at the
-    current position of `fd`."""
+def write_entry(fd: int, header: EntryHeader, header_bytes: bytes, kv: ChunkKV | EncodedKV) -> None:
+    """Write the whole entry (the header from `build_header`, then every layer of `kv`, the same
+    value `build_header` got) at the current position of `fd`."""
+    encoded = kv if isinstance(kv, EncodedKV) else encode(kv)
     _write_all(fd, header_bytes)
-    padding = bytes(header.layer_stride - 2 * header.kv_nbytes)
+    gap = bytes(header.scales_offset - 2 * header.kv_nbytes)
+    padding = bytes(header.layer_stride - header.scales_offset - 2 * header.scale_nbytes)
     for i in range(header.num_layers):
-        _write_all(fd, _as_bytes(kv.keys[i]))
-        _write_all(fd, _as_bytes(kv.values[i]))
+        k, v, *scales = encoded.layer_parts(i)
+        _write_all(fd, k)
+        _write_all(fd, v)
+        _write_all(fd, gap)
+        for part in scales:
+            _write_all(fd, part)
         _write_all(fd, padding)
+
+
+def _version(prefix: bytes | memoryview) -> int:
+    if len(prefix) < _PREFIX.size:
+        raise KVCorruptError(f"header truncated to {len(prefix)} bytes")
+    magic, version, _ = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise KVCorruptError(f"bad magic {magic!r}")
+    if version not in READABLE_VERSIONS:
+        raise KVVersionError(f"format version {version}, this build reads {READABLE_VERSIONS}")
+    return int(version)
 
 
 def header_size(prefix: bytes | memoryview) -> int:
     """The header's full size (= data_offset) from its first bytes; checks magic and version."""
-    if len(prefix) < _FIXED.size:
+    fixed = _FIXED_BY_VERSION[_version(prefix)]
+    if len(prefix) < fixed.size:
         raise KVCorruptError(f"header truncated to {len(prefix)} bytes")
-    magic, version, data_offset = struct.unpack_from("<8sII", prefix)
-    if magic != MAGIC:
-        raise KVCorruptError(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise KVVersionError(f"format version {version}, this build reads {FORMAT_VERSION}")
-    if data_offset < _FIXED.size or data_offset % ALIGN or data_offset > MAX_HEADER_BYTES:
+    (data_offset,) = struct.unpack_from("<I", prefix, 12)
+    if data_offset < fixed.size or data_offset % ALIGN or data_offset > MAX_HEADER_BYTES:
         raise KVCorruptError(f"impossible data offset {data_offset}")
-    return data_offset
+    return int(data_offset)
 
 
 def parse_header(block: bytes | memoryview, model_fingerprint: str, key: str) -> EntryHeader:
     """Decode and verify a header block of at least `header_size` bytes.
 
-    Raises KVCorruptError (checksum, truncation, garbage), KVVersionError (format version or
-    positions convention) or KVModelMismatchError (another model's entry, or another key's).
+    Raises KVCorruptError (checksum, truncation, garbage), KVVersionError (format version,
+    positions convention or encoding this build does not know) or KVModelMismatchError (another
+    model's entry, or another key's).
     """
     data_offset = header_size(block)
     if len(block) < data_offset:
         raise KVCorruptError(f"header truncated to {len(block)} of {data_offset} bytes")
-    (
-        _,
-        _,
-        _,
-        num_layers,
-        num_kv_heads,
-        num_tokens,
-        head_dim,
-        dtype_raw,
-        positions_raw,
-        fingerprint_len,
-        key_len,
-    ) = _FIXED.unpack_from(block)
-    checksums_at = _FIXED.size + fingerprint_len + key_len
+    version = _version(block)
+    fixed = _FIXED_BY_VERSION[version]
+    fields = fixed.unpack_from(block)
+    num_layers, num_kv_heads, num_tokens, head_dim, dtype_raw, positions_raw = fields[3:9]
+    encoding_raw = fields[9] if version >= 2 else b"none"
+    fingerprint_len, key_len = fields[-2:]
+    checksums_at = fixed.size + fingerprint_len + key_len
     checksum_at = checksums_at + _U64.size * num_layers
     if checksum_at + _U64.size > data_offset:
         raise KVCorruptError("header fields overrun the header")
     (stored_checksum,) = _U64.unpack_from(block, checksum_at)
     if xxhash.xxh3_64_intdigest(bytes(block[:checksum_at])) != stored_checksum:
         raise KVCorruptError("header checksum mismatch")
-    fingerprint = bytes(block[_FIXED.size : _FIXED.size + fingerprint_len]).decode()
-    stored_key = bytes(block[_FIXED.size + fingerprint_len : checksums_at]).decode("ascii")
+    fingerprint = bytes(block[fixed.size : fixed.size + fingerprint_len]).decode()
+    stored_key = bytes(block[fixed.size + fingerprint_len : checksums_at]).decode("ascii")
     dtype_name = dtype_raw.rstrip(b"\0").decode("ascii")
     positions = positions_raw.rstrip(b"\0").decode("ascii")
     if positions != POSITIONS:
         raise KVVersionError(f"positions convention {positions!r}, this build uses {POSITIONS!r}")
+    try:
+        encoding = codec.check_encoding(encoding_raw.rstrip(b"\0").decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise KVVersionError(f"KV encoding {encoding_raw!r}: {exc}") from exc
     if dtype_name not in _DTYPES or min(num_layers, num_kv_heads, num_tokens, head_dim) < 1:
         raise KVCorruptError(f"impossible dtype or shape {dtype_name} {num_layers=} {num_tokens=}")
     if fingerprint != model_fingerprint:
@@ -224,20 +310,59 @@ def parse_header(block: bytes | memoryview, model_fingerprint: str, key: str) ->
         positions=positions,
         layer_checksums=checksums,
         data_offset=data_offset,
+        encoding=encoding,
+        version=version,
     )
 
 
-def decode_layer(
-    header: EntryHeader, layer: int, block: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `layer` as views of `block` (uint8, the layer's bytes from its offset on).
+LayerData = tuple[torch.Tensor, torch.Tensor] | QuantizedPair
 
-    Raises KVCorruptError when the layer checksum does not match.
+
+def _split(header: EntryHeader, rows: torch.Tensor) -> list[torch.Tensor]:
+    """K, V and (when encoded) K and V scales as typed views of `rows` ([..., >= stride] uint8:
+    one layer, or every layer stacked), shaped [..., H_kv, n, D] and [..., H_kv, 1, D]."""
+    outer = rows.shape[:-1]
+    kv_nbytes, at = header.kv_nbytes, header.scales_offset
+    payload = (*outer, header.num_kv_heads, header.num_tokens, header.head_dim)
+    dtype = header.storage_dtype
+    parts = [
+        rows[..., :kv_nbytes].view(dtype).view(payload),
+        rows[..., kv_nbytes : 2 * kv_nbytes].view(dtype).view(payload),
+    ]
+    if header.encoding != "none":
+        scale_shape = (*outer, header.num_kv_heads, 1, header.head_dim)
+        for start in (at, at + header.scale_nbytes):
+            scales = rows[..., start : start + header.scale_nbytes].view(codec.SCALE_DTYPE)
+            parts.append(scales.view(scale_shape))
+    return parts
+
+
+def decode_layer(header: EntryHeader, layer: int, block: torch.Tensor) -> LayerData:
+    """K and V of `layer` as views of `block` (uint8, the layer's bytes from its offset on): a
+    plain pair for encoding "none", else a QuantizedPair (payloads and scales).
+
+    Raises KVCorruptError when the layer checksum (payloads and scales) does not match.
     """
-    kv_nbytes = header.kv_nbytes
-    k_raw, v_raw = block[:kv_nbytes], block[kv_nbytes : 2 * kv_nbytes]
-    actual = _layer_checksum(k_raw.numpy().data, v_raw.numpy().data)
-    if actual != header.layer_checksums[layer]:
+    parts = _split(header, block[: header.layer_stride])
+    if _layer_checksum([_as_bytes(p) for p in parts]) != header.layer_checksums[layer]:
         raise KVCorruptError(f"layer {layer} checksum mismatch in entry {header.key}")
-    shape = (header.num_kv_heads, header.num_tokens, header.head_dim)
-    return k_raw.view(header.dtype).view(shape), v_raw.view(header.dtype).view(shape)
+    if header.encoding == "none":
+        return parts[0], parts[1]
+    k, v, k_scale, v_scale = parts
+    return QuantizedPair(k, v, k_scale, v_scale, header.dtype)
+
+
+def decode_entry(header: EntryHeader, buffer: torch.Tensor) -> ChunkKV:
+    """The whole entry from `buffer` (uint8, every layer from the first one's offset on, their
+    checksums already verified): views for encoding "none", else dequantized to `dtype`."""
+    rows = buffer[: header.num_layers * header.layer_stride].view(
+        header.num_layers, header.layer_stride
+    )
+    parts = _split(header, rows)
+    if header.encoding == "none":
+        return ChunkKV(keys=parts[0], values=parts[1])
+    keys, values, key_scales, value_scales = parts
+    return ChunkKV(
+        keys=codec.dequantize(keys, key_scales, header.dtype),
+        values=codec.dequantize(values, value_scales, header.dtype),
+    )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -11,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from kvstore import tiers
+from kvstore.codec import QuantizedPair
 from kvstore.errors import KVEntryError, KVStreamError
 from kvstore.types import ChunkKV, LayerLoad, StreamStats
 
@@ -20,6 +23,13 @@ KVPair = tuple[torch.Tensor, torch.Tensor]
 # Pinned staging slots on CUDA. A slot is reused two layers later; its previous host->device copy
 # (tens of GB/s) has long finished by then, and waiting on that layer's event makes it certain.
 RING_SLOTS = 2
+# Every tensor packed into a staging slab starts on this boundary, so any dtype can view it.
+PACK_ALIGN = 256
+
+
+# What a source hands the loader for one layer: K and V, or (compressed tiers) their payload
+# and scales, which travel compressed and are dequantized on the device.
+LayerItem = KVPair | QuantizedPair
 
 
 class LayerSource(Protocol):
@@ -29,19 +39,18 @@ class LayerSource(Protocol):
     tier: str
     num_layers: int
 
-    def read_layer(self, layer: int) -> KVPair: ...
+    def read_layer(self, layer: int) -> LayerItem: ...
 
     def close(self) -> None: ...
 
 
 class MemorySource:
-    """A chunk held by the memory tier: a layer is a pair of views, no copy."""
+    """A chunk held by an in-memory tier: a layer is a pair of views, no copy."""
 
-    tier = "memory"
-
-    def __init__(self, key: str, kv: ChunkKV) -> None:
+    def __init__(self, key: str, kv: ChunkKV, tier: str = tiers.MEMORY) -> None:
         self.key = key
         self.kv = kv
+        self.tier = tier
         self.num_layers = kv.num_layers
 
     def read_layer(self, layer: int) -> KVPair:
@@ -51,19 +60,132 @@ class MemorySource:
         """Nothing to release; the tier owns the tensors."""
 
 
+def _item_tensors(item: LayerItem) -> list[torch.Tensor]:
+    if isinstance(item, tuple):
+        return list(item)
+    return [item.k, item.v, item.k_scale, item.v_scale]
+
+
+def _with_tensors(item: LayerItem, tensors: list[torch.Tensor]) -> LayerItem:
+    if isinstance(item, tuple):
+        return tensors[0], tensors[1]
+    k, v, k_scale, v_scale = tensors
+    return dataclasses.replace(item, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+
+def _nbytes(item: LayerItem) -> int:
+    return sum(t.nbytes for t in _item_tensors(item))
+
+
+def packed_size(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of a slab that holds `tensors` back to back, each on a PACK_ALIGN boundary."""
+    return sum(-(-t.nbytes // PACK_ALIGN) * PACK_ALIGN for t in tensors)
+
+
+def pack(tensors: Sequence[torch.Tensor], slab: torch.Tensor) -> list[int]:
+    """Copy `tensors` into the uint8 `slab` back to back; returns each one's byte offset."""
+    offsets, offset = [], 0
+    for t in tensors:
+        slab[offset : offset + t.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        offsets.append(offset)
+        offset += -(-t.nbytes // PACK_ALIGN) * PACK_ALIGN
+    return offsets
+
+
+def unpack(
+    slab: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Views of `slab` with the dtypes and shapes of `like`, at `offsets` (see pack)."""
+    return [
+        slab[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+        for offset, t in zip(offsets, like, strict=True)
+    ]
+
+
+class Loader:
+    """One loader thread for many streams: it loads one layer at a time for the oldest open
+    stream whose lookahead window allows one, so the streams of a whole scheduler step (and
+    of requests queued behind it) share one thread and one I/O queue, and a stream opened
+    ahead of its prefill has its first layers ready when that prefill starts.
+
+    Streams share the loader's condition variable. The thread starts with the first stream
+    and exits when `stop()` is called and no stream is left.
+    """
+
+    def __init__(self, name: str = "kv-loader") -> None:
+        self.name = name
+        self.cond = threading.Condition()
+        self._streams: list[KVLayerStream] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def add(self, stream: KVLayerStream) -> None:
+        with self.cond:
+            if self._stopping:
+                raise RuntimeError("the KV loader was stopped")
+            self._streams.append(stream)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        """Refuse new streams and let the thread exit once every stream is finished; waits for
+        it only when none is left open (an unclosed stream must not hang the caller)."""
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
+            thread = self._thread
+            idle = all(s.finished for s in self._streams)
+        if thread is not None and idle:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while True:
+                    self._streams = [s for s in self._streams if not s.finished]
+                    work = next(
+                        ((s, a) for s in self._streams if (a := s.next_action()) is not None),
+                        None,
+                    )
+                    if work is not None:
+                        break
+                    if self._stopping and not self._streams:
+                        return
+                    self.cond.wait()
+                stream, action = work
+                stream.busy = True
+            stream.run(action)
+
+
+# What the loader does next for a stream: load that layer, or finish the stream.
+FINISH = -1
+
+
 class KVLayerStream:
     """Implements `kvstore.types.LayerStream` over a list of sources (None = a missed chunk).
 
-    The loader thread starts layer j only once the consumer has asked for layer j - lookahead,
-    so at most `lookahead` layers wait beyond the one being computed. On CUDA each layer is
-    staged through a ring of pinned host buffers (unless already pinned), copied on a dedicated
-    stream, and `layer(i)` makes the consumer's current stream wait on that layer's event.
+    A `Loader` thread (the store's, shared by every stream; or one of its own) loads layer j
+    only once the consumer has asked for layer j - lookahead, so at most `lookahead` layers
+    wait beyond the one being computed. It never loads layers below `first_layer` (raised
+    later by `skip_to`), which the consumer will not read.
+
+    Off the CPU, a layer's host tensors of every chunk are packed into one staging slab (a
+    ring of pinned buffers on CUDA) and reach the device in ONE copy on a dedicated stream;
+    `layer(i)` makes the consumer's stream wait on that copy's event. Tensors already on the
+    device (the gpu tier) are not copied at all. Compressed layers (`QuantizedPair`) travel
+    compressed and are dequantized on the device. `coalesce=True` forces the staged copy on
+    the CPU too (tests); otherwise CPU layers are views of the tier's tensors.
 
     If a layer cannot be read (I/O error, checksum mismatch), `layer(i)` raises KVStreamError
-    for that layer and every later one; earlier layers were valid, and `on_error` gets the key
-    and the cause (the store deletes a corrupt entry). After the last layer, `on_complete` gets
-    the sources (the store promotes SSD entries). `close()` stops the loader promptly whatever
-    the consumer did; always close (or use `with`).
+    for that layer and every later one; earlier layers were valid, and `on_error` gets the
+    source that failed and the cause (the store has that source's tier delete a corrupt
+    entry). When the stream finishes, whether every layer was read or not, `on_finish` gets
+    the sources and the layers read and takes over closing them (the store promotes SSD and
+    remote entries, completing a partial read); without it they are closed. `close()` stops
+    loading promptly whatever the consumer did and never waits on other streams; always close
+    (or use `with`). `timings` and `stats` stay valid after close.
     """
 
     def __init__(
@@ -72,17 +194,21 @@ class KVLayerStream:
         device: torch.device | str = "cpu",
         lookahead: int = 2,
         read_delay_s: float = 0.0,
-        on_complete: Callable[[list[LayerSource]], None] | None = None,
-        on_error: Callable[[str, BaseException], None] | None = None,
+        on_finish: Callable[[list[LayerSource], set[int]], None] | None = None,
+        on_error: Callable[[LayerSource, BaseException], None] | None = None,
+        first_layer: int = 0,
+        coalesce: bool | None = None,
+        loader: Loader | None = None,
     ) -> None:
         live = [s for s in sources if s is not None]
         layer_counts = {s.num_layers for s in live}
-        if lookahead < 0 or read_delay_s < 0 or len(layer_counts) > 1:
+        if lookahead < 0 or read_delay_s < 0 or first_layer < 0 or len(layer_counts) > 1:
             for source in live:
                 source.close()
             raise ValueError(
-                f"need lookahead >= 0, read_delay_s >= 0 and one layer count, got {lookahead=}"
-                f" {read_delay_s=} layer counts {sorted(layer_counts)}"
+                f"need lookahead >= 0, read_delay_s >= 0, first_layer >= 0 and one layer count,"
+                f" got {lookahead=} {read_delay_s=} {first_layer=} layer counts"
+                f" {sorted(layer_counts)}"
             )
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -93,39 +219,59 @@ class KVLayerStream:
         self.stats = StreamStats()
         self.num_layers = layer_counts.pop() if live else 0
         self.lookahead = lookahead
+        self.coalesce = self.device.type != "cpu" if coalesce is None else coalesce
+        self.busy = False  # the loader is working on this stream (guarded by the loader's cond)
+        self.finished = not live
+        self._own_loader = loader is None and bool(live)
+        self._loader = loader if loader is not None else Loader(f"kv-loader-{id(self):x}")
+        self._cond = self._loader.cond
         self._sources = live
         self._has_sources = bool(live)
         self._read_delay_s = read_delay_s
-        self._on_complete = on_complete
+        self._on_finish = on_finish
         self._on_error = on_error
-        self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._requested = -1  # highest layer the consumer asked for
-        self._next_layer = 0  # lowest layer the consumer may still ask for
+        self._first_layer = first_layer  # lowest layer the loader will still load
+        self._next_load = first_layer  # next layer the loader loads
+        self._requested = first_layer - 1  # highest layer the consumer asked for
+        self._next_layer = first_layer  # lowest layer the consumer may still ask for
+        self._layers_read: set[int] = set()
         self._ready: dict[int, list[KVPair]] = {}
         self._events: dict[int, torch.cuda.Event] = {}
-        self._ring: list[torch.Tensor] = []  # pinned uint8 slots, allocated at the first layer
+        self._ring: list[torch.Tensor] = []  # staging slots, allocated at the first layer
         self._slot_events: list[torch.cuda.Event | None] = [None] * RING_SLOTS
         self._error: KVStreamError | None = None
-        self._loader_done = not live
         self._closed = False
         self._copy_stream = (
             torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         )
-        self._thread = threading.Thread(target=self._run, name="kv-layer-loader", daemon=True)
         if live:
-            self._thread.start()
+            self._loader.add(self)
 
     # -- consumer side ---------------------------------------------------------------------
+
+    def skip_to(self, layer: int) -> None:
+        """Layers below `layer` will not be asked for: the loader skips them (any already
+        loaded are dropped). A `layer` at or below the current first layer changes nothing."""
+        with self._cond:
+            if layer <= self._next_layer:
+                return
+            self._next_layer = self._first_layer = layer
+            self._next_load = max(self._next_load, layer)
+            self._requested = max(self._requested, layer - 1)
+            for skipped in [j for j in self._ready if j < layer]:
+                del self._ready[skipped]
+                self._events.pop(skipped, None)
+            self._cond.notify_all()
 
     def layer(self, index: int) -> list[KVPair]:
         """(keys, values) of `index` per present chunk, each [H_kv, n_j, D] on `device`.
 
-        Blocks until loaded. Raises ValueError when asked out of order, KVStreamError when the
-        layer could not be loaded or the stream was closed.
+        Blocks until loaded. Raises ValueError when asked out of order (or below the first
+        layer), KVStreamError when the layer could not be loaded or the stream was closed.
         """
         if index < self._next_layer or (self._has_sources and index >= self.num_layers):
-            raise ValueError(f"layer {index} asked after {self._next_layer - 1} or out of range")
+            raise ValueError(f"layer {index} asked below layer {self._next_layer} or out of range")
         self._next_layer = index + 1
         if not self._has_sources:
             return []  # every chunk missed: each layer is empty
@@ -134,7 +280,7 @@ class KVLayerStream:
                 raise KVStreamError(f"stream closed before layer {index}", index)
             self._requested = index
             self._cond.notify_all()
-            while index not in self._ready and not self._failed_by(index) and not self._loader_done:
+            while index not in self._ready and not self._failed_by(index) and not self.finished:
                 self._cond.wait()
             for skipped in [j for j in self._ready if j < index]:
                 del self._ready[skipped]
@@ -156,19 +302,29 @@ class KVLayerStream:
         return pairs
 
     def close(self) -> None:
-        """Stop the loader (promptly, even mid-delay), release files and buffers. Idempotent."""
+        """Stop loading (promptly, even mid-delay), release files and buffers. Idempotent.
+
+        Finishes the stream on the calling thread unless the loader is busy with one of its
+        layers, in which case that layer is abandoned and the loader finishes it."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
             self._stop.set()
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join()
+            finish_here = not self.busy and not self.finished
+            if finish_here:
+                self.busy = True
+            while not finish_here and not self.finished:
+                self._cond.wait()
+        if finish_here:
+            self._finish()
         with self._cond:
             self._ready.clear()
             self._events.clear()
         self._sources = []  # their read buffers: freed unless promoted or held by the consumer
+        if self._own_loader:
+            self._loader.stop()
 
     def __enter__(self) -> KVLayerStream:
         return self
@@ -179,118 +335,153 @@ class KVLayerStream:
     def _failed_by(self, index: int) -> bool:
         return self._error is not None and self._error.layer <= index
 
-    # -- loader side -----------------------------------------------------------------------
+    # -- loader side (the loader's cond is held in next_action, not in run) ----------------
 
-    def _run(self) -> None:
+    def next_action(self) -> int | None:
+        """The layer to load next, FINISH, or None when the stream must wait for its consumer."""
+        if self.finished or self.busy:
+            return None
+        if self._closed or self._error is not None or self._next_load >= self.num_layers:
+            return FINISH
+        if self._requested >= self._next_load - self.lookahead:
+            return self._next_load
+        return None
+
+    def run(self, action: int) -> None:
+        """Do `action` on the loader thread; a bug becomes a stream error, never a hang."""
+        if action == FINISH:
+            self._finish()
+            return
         try:
             if self._copy_stream is not None:
                 with torch.cuda.device(self.device):
-                    self._load_all()
+                    self._load(action)
             else:
-                self._load_all()
-        except Exception as exc:  # a bug must surface as a stream error, never as a hang
+                self._load(action)
+        except Exception as exc:
             logger.exception("KV loader failed")
-            self._fail(KVStreamError(f"loader failed: {exc}", self._next_unloaded()), exc)
+            self._fail(KVStreamError(f"loader failed: {exc}", action), exc)
         finally:
-            if self._copy_stream is not None:
-                self._copy_stream.synchronize()  # no copy may still read a host buffer we drop
-            for source in self._sources:
-                source.close()
             with self._cond:
-                self._loader_done = True
+                self.busy = False
                 self._cond.notify_all()
 
-    def _next_unloaded(self) -> int:
-        return len(self.timings)
-
-    def _load_all(self) -> None:
-        for i in range(self.num_layers):
+    def _finish(self) -> None:
+        """Release the sources (or hand them to on_finish) and mark the stream finished."""
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()  # no copy may still read a host buffer we drop
+        sources, read = list(self._sources), set(self._layers_read)
+        try:
+            if self._on_finish is not None and self._error is None:
+                self._on_finish(sources, read)
+                sources = []
+        except Exception:
+            logger.exception("KV stream finish callback failed")
+        finally:
+            for source in sources:
+                source.close()
             with self._cond:
-                while not self._stop.is_set() and self._requested < i - self.lookahead:
-                    self._cond.wait()
+                self.finished = True
+                self.busy = False
+                self._cond.notify_all()
+
+    def _load(self, i: int) -> None:
+        start_s = time.perf_counter()
+        if self._read_delay_s and self._stop.wait(self._read_delay_s):
+            return
+        items: list[LayerItem] = []
+        layer_bytes = 0
+        for source in self._sources:
             if self._stop.is_set():
                 return
-            start_s = time.perf_counter()
-            if self._read_delay_s and self._stop.wait(self._read_delay_s):
+            try:
+                item = source.read_layer(i)
+            except (KVEntryError, OSError) as exc:
+                error = KVStreamError(f"layer {i} of {source.key}: {exc}", i, source.key)
+                self._fail(error, exc, source)
                 return
-            pairs, layer_bytes = [], 0
-            for source in self._sources:
-                try:
-                    k, v = source.read_layer(i)
-                except (KVEntryError, OSError) as exc:
-                    message = f"layer {i} of {source.key}: {exc}"
-                    self._fail(KVStreamError(message, i, source.key), exc)
-                    return
-                self._count(source.tier, k.nbytes + v.nbytes)
-                layer_bytes += k.nbytes + v.nbytes
-                pairs.append((k, v))
-            event = None
-            if self._copy_stream is not None:
-                pairs, event = self._copy_to_device(i, pairs)
-            timing = LayerLoad(i, start_s, time.perf_counter(), layer_bytes)
-            with self._cond:
-                self.timings.append(timing)
+            nbytes = _nbytes(item)
+            self._count(source.tier, nbytes)
+            layer_bytes += nbytes
+            items.append(item)
+        pairs, event = self._to_device(i, items)
+        timing = LayerLoad(i, start_s, time.perf_counter(), layer_bytes)
+        with self._cond:
+            self.timings.append(timing)
+            self._layers_read.add(i)
+            self._next_load = max(self._next_load, i + 1)
+            if i >= self._first_layer:
                 self._ready[i] = pairs
                 if event is not None:
                     self._events[i] = event
-                self._cond.notify_all()
-        if self._on_complete is not None:
-            self._on_complete(list(self._sources))
+            self._cond.notify_all()
 
-    def _copy_to_device(
-        self, layer: int, host_pairs: list[KVPair]
-    ) -> tuple[list[KVPair], torch.cuda.Event]:
-        """Enqueue the copies of one layer on the copy stream; returns device pairs and the
-        event that marks their completion."""
-        assert self._copy_stream is not None
-        slot = layer % RING_SLOTS
-        staged = self._stage(slot, host_pairs)
+    def _to_device(
+        self, layer: int, items: list[LayerItem]
+    ) -> tuple[list[KVPair], torch.cuda.Event | None]:
+        """Device pairs of one layer, and the event marking the end of their copy (CUDA)."""
+        if not self.coalesce:
+            return [item if isinstance(item, tuple) else item.dequantize() for item in items], None
+        if self._copy_stream is None:
+            return self._transfer(layer, items), None
         with torch.cuda.stream(self._copy_stream):
-            device_pairs = [
-                (k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True))
-                for k, v in staged
-            ]
+            pairs = self._transfer(layer, items)
         event = torch.cuda.Event()
         event.record(self._copy_stream)
-        self._slot_events[slot] = event
-        return device_pairs, event
+        self._slot_events[layer % RING_SLOTS] = event
+        return pairs, event
 
-    def _stage(self, slot: int, host_pairs: list[KVPair]) -> list[KVPair]:
-        """Copy pageable tensors (e.g. SSD reads) into a pinned ring slot, so that the device
-        copy is asynchronous; pinned ones (the memory tier with pin_memory) pass through."""
-        pageable = [t for pair in host_pairs for t in pair if not t.is_pinned()]
-        if not pageable:
-            return host_pairs
-        nbytes = sum(t.nbytes for t in pageable)  # the same for every layer of this stream
-        if not self._ring:
-            self._ring = [
-                torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(RING_SLOTS)
-            ]
+    def _transfer(self, layer: int, items: list[LayerItem]) -> list[KVPair]:
+        """Pack every host tensor of the layer into a staging slot, copy the slot to the device
+        in one piece, and rebuild the items as views of the copy (dequantized there)."""
+        host = [t for item in items for t in _item_tensors(item) if self._must_move(t)]
+        moved: list[torch.Tensor] = []
+        if host:
+            slot = layer % RING_SLOTS
+            staging = self._slot(slot, packed_size(host))
+            offsets = pack(host, staging)
+            device_slab = staging.to(self.device, non_blocking=True, copy=True)
+            moved = unpack(device_slab, offsets, host)
+            self.stats.device_copies += 1
+            self.stats.device_copy_bytes += staging.nbytes
+        pairs, next_moved = [], iter(moved)
+        for item in items:
+            tensors = [next(next_moved) if self._must_move(t) else t for t in _item_tensors(item)]
+            rebuilt = _with_tensors(item, tensors)
+            pairs.append(rebuilt if isinstance(rebuilt, tuple) else rebuilt.dequantize())
+        return pairs
+
+    def _must_move(self, tensor: torch.Tensor) -> bool:
+        """Host tensors move; device-resident ones (the gpu tier) are used in place. On the
+        CPU, a coalesced stream copies everything (the path tests cover)."""
+        return tensor.device != self.device or self.device.type == "cpu"
+
+    def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of staging slot `slot` (pinned on CUDA), once its previous copy
+        is done; slots grow to the largest layer seen."""
         previous = self._slot_events[slot]
         if previous is not None:
             previous.synchronize()  # the copy that last read this slot is done
-        offset, staged = 0, []
-        for k, v in host_pairs:
-            pair = []
-            for t in (k, v):
-                if t.is_pinned():
-                    pair.append(t)
-                    continue
-                pinned = self._ring[slot][offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-                pinned.copy_(t)
-                offset += t.nbytes
-                pair.append(pinned)
-            staged.append((pair[0], pair[1]))
-        return staged
+        if not self._ring or self._ring[slot].numel() < nbytes:
+            pin = self._copy_stream is not None
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()  # the old slots may still be read by a copy
+            self._ring = [
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(RING_SLOTS)
+            ]
+            self._slot_events = [None] * RING_SLOTS
+        return self._ring[slot][:nbytes]
 
     def _count(self, tier: str, nbytes: int) -> None:
         stats = self.stats
         stats.bytes_by_tier[tier] = stats.bytes_by_tier.get(tier, 0) + nbytes
 
-    def _fail(self, error: KVStreamError, cause: BaseException) -> None:
+    def _fail(
+        self, error: KVStreamError, cause: BaseException, source: LayerSource | None = None
+    ) -> None:
         logger.warning("KV stream failed at layer %d: %s", error.layer, error)
         with self._cond:
             self._error = error
             self._cond.notify_all()
-        if error.key is not None and self._on_error is not None:
-            self._on_error(error.key, cause)
+        if source is not None and self._on_error is not None:
+            self._on_error(source, cause)

@@ -1,5 +1,5 @@
-"""The memory tier: whole chunk entries in host RAM (pinned when the engine is on CUDA), LRU
-by bytes under a fixed budget."""
+"""The in-memory tiers: whole chunk entries in host RAM (pinned when the engine is on CUDA) or
+in device memory (the gpu tier), LRU by bytes under a fixed budget."""
 
 from __future__ import annotations
 
@@ -9,23 +9,38 @@ from collections import OrderedDict
 
 import torch
 
+from kvstore import tiers
+from kvstore.loader import MemorySource
 from kvstore.types import ChunkKV, TierStats
 
 logger = logging.getLogger(__name__)
 
 
 class MemoryTier:
-    """LRU of ChunkKV by bytes. Thread-safe; a hit in `get` makes the entry most recently used."""
+    """LRU of ChunkKV by bytes on one device. Thread-safe; a hit in `get` or `open` makes the
+    entry most recently used.
 
-    name = "memory"
+    The host tier (`name=tiers.MEMORY`, device "cpu") keeps entries in pinned memory when
+    `pin_memory`; the gpu tier (`name=tiers.GPU`, a CUDA device) keeps them where the blend
+    reads them, so a hit costs no copy at all.
+    """
 
-    def __init__(self, budget_bytes: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        pin_memory: bool = False,
+        *,
+        name: str = tiers.MEMORY,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory needs a CUDA build of torch with a visible GPU")
+        self.name = name
+        self.device = torch.device(device)
         self.budget_bytes = budget_bytes
-        self.pin_memory = pin_memory
+        self.pin_memory = pin_memory and self.device.type == "cpu"
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._stats = TierStats(budget_bytes=budget_bytes)
@@ -50,13 +65,19 @@ class MemoryTier:
             self._stats.hits += 1
             return kv
 
+    def open(self, key: str) -> MemorySource | None:
+        """A layer source over the entry (views, no copy), or None on a miss (counted)."""
+        kv = self.get(key)
+        return None if kv is None else MemorySource(key, kv, self.name)
+
     def put(self, key: str, kv: ChunkKV) -> list[str]:
-        """Store `kv` (moved to host, pinned if configured) as most recently used; returns the
-        keys evicted for room, LRU first. An entry larger than the whole budget is not stored."""
+        """Store `kv` (moved to this tier's device, pinned if configured) as most recently
+        used; returns the keys evicted for room, LRU first. An entry larger than the whole
+        budget is not stored."""
         if kv.nbytes > self.budget_bytes:
-            logger.debug("entry %s (%d bytes) is over the memory budget", key, kv.nbytes)
+            logger.debug("entry %s (%d bytes) is over the %s budget", key, kv.nbytes, self.name)
             return []
-        kv = self._to_host(kv)
+        kv = self._to_device(kv)
         evicted: list[str] = []
         with self._lock:
             old = self._entries.pop(key, None)
@@ -83,8 +104,8 @@ class MemoryTier:
             self._stats.entries, self._stats.bytes = len(self._entries), self._bytes
             return TierStats(**vars(self._stats))
 
-    def _to_host(self, kv: ChunkKV) -> ChunkKV:
-        keys, values = kv.keys.detach().cpu(), kv.values.detach().cpu()
+    def _to_device(self, kv: ChunkKV) -> ChunkKV:
+        keys, values = kv.keys.detach().to(self.device), kv.values.detach().to(self.device)
         if self.pin_memory and not keys.is_pinned():
             keys, values = keys.pin_memory(), values.pin_memory()
         if keys is kv.keys and values is kv.values:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from kvstore import codec, tiers
 from kvstore import format as kvformat
 from kvstore.errors import KVCorruptError, KVEntryError
-from kvstore.types import ChunkKV, TierStats
+from kvstore.types import ChunkKV, TierStats, is_valid_key, validate_key
 
 logger = logging.getLogger(__name__)
 
-_KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,200}")
 _TEMP_RE = re.compile(r"\.(?P<key>[0-9A-Za-z_-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp")
 _SUFFIX = ".kv"
 
@@ -90,9 +90,9 @@ def _fsync_dir(path: Path) -> None:
 
 class SSDEntryReader:
     """An open entry whose header is verified; reads layers into one whole-entry host buffer so
-    that, once every layer is read, the buffer is the entry (`chunk_kv`) without another copy."""
+    that, once every layer is read, the buffer is the entry (`chunk_kv`) without another read."""
 
-    tier = "ssd"
+    tier = tiers.SSD
 
     def __init__(self, key: str, fd: int, header: kvformat.EntryHeader) -> None:
         self.key = key
@@ -102,8 +102,10 @@ class SSDEntryReader:
         self._buffer: torch.Tensor | None = None
         self._layers_read: set[int] = set()
 
-    def read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `layer`, [H_kv, n, D] host tensors; KVCorruptError or OSError when bad."""
+    def read_layer(self, layer: int) -> kvformat.LayerData:
+        """K and V of `layer` as views of the read buffer: a plain [H_kv, n, D] pair, or a
+        QuantizedPair for an encoded entry (dequantized wherever the caller copies it to).
+        KVCorruptError or OSError when bad."""
         assert self._fd is not None, "reader is closed"
         stride = self.header.layer_stride
         if self._buffer is None:
@@ -115,15 +117,11 @@ class SSDEntryReader:
         return pair
 
     def chunk_kv(self) -> ChunkKV | None:
-        """The whole entry as views of the read buffer, or None until every layer was read."""
+        """The whole entry in its original dtype, or None until every layer was read: views of
+        the read buffer, or for an encoded entry its dequantized copy."""
         if self._buffer is None or len(self._layers_read) < self.num_layers:
             return None
-        h = self.header
-        rows = self._buffer.view(h.num_layers, h.layer_stride)  # [L, stride] bytes
-        shape = (h.num_layers, h.num_kv_heads, h.num_tokens, h.head_dim)
-        keys = rows[:, : h.kv_nbytes].view(h.dtype).view(shape)
-        values = rows[:, h.kv_nbytes : 2 * h.kv_nbytes].view(h.dtype).view(shape)
-        return ChunkKV(keys=keys, values=values)
+        return kvformat.decode_entry(self.header, self._buffer)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -139,13 +137,19 @@ class SSDTier:
     order. Every failure to read an entry is a miss: logged, counted, file deleted.
     """
 
-    name = "ssd"
+    name = tiers.SSD
 
     def __init__(
-        self, path: str | Path, budget_bytes: int, model_fingerprint: str, direct_io: bool = True
+        self,
+        path: str | Path,
+        budget_bytes: int,
+        model_fingerprint: str,
+        direct_io: bool = True,
+        encoding: str = "none",
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.encoding = codec.check_encoding(encoding)  # of new entries; any encoding reads
         self.path = Path(path)
         self.budget_bytes = budget_bytes
         self.model_fingerprint = model_fingerprint
@@ -174,11 +178,10 @@ class SSDTier:
             return list(self._index)
 
     def file_path(self, key: str) -> Path:
-        if not _KEY_RE.fullmatch(key):
-            raise ValueError(f"key {key!r} is not 2-200 characters of [0-9A-Za-z_-]")
+        validate_key(key)
         return self.path / key[:2] / f"{key}{_SUFFIX}"
 
-    def open_entry(self, key: str) -> SSDEntryReader | None:
+    def open(self, key: str) -> SSDEntryReader | None:
         """An open reader with a verified header (a hit, now most recently used), or None on a
         miss; a bad entry is logged, counted as corrupt and deleted. Caller closes the reader."""
         path = self.file_path(key)
@@ -212,7 +215,7 @@ class SSDTier:
 
     def get(self, key: str) -> ChunkKV | None:
         """The whole entry, every layer checksum verified, or None on a miss (bad: deleted)."""
-        reader = self.open_entry(key)
+        reader = self.open(key)
         return None if reader is None else self._read_all(reader)
 
     def _drop_if_faulty(self, key: str, error: BaseException) -> None:
@@ -232,11 +235,13 @@ class SSDTier:
     # -- writes ----------------------------------------------------------------------------
 
     def put(self, key: str, kv: ChunkKV) -> list[str]:
-        """Write `kv` (host tensors) crash-safely (temp file, fsync, rename, fsync dir) as most
-        recently used; returns the keys evicted for room, LRU first. An entry larger than the
-        budget is not written. Raises OSError when the write fails; nothing is left behind."""
+        """Write `kv` (host tensors) in the tier's encoding crash-safely (temp file, fsync,
+        rename, fsync dir) as most recently used; returns the keys evicted for room, LRU first.
+        An entry larger than the budget is not written. Raises OSError when the write fails
+        (nothing is left behind), ValueError for KV the encoding cannot hold (inf or NaN)."""
         path = self.file_path(key)
-        header, header_bytes = kvformat.build_header(key, self.model_fingerprint, kv)
+        encoded = kvformat.encode(kv, self.encoding)
+        header, header_bytes = kvformat.build_header(key, self.model_fingerprint, encoded)
         if header.file_size > self.budget_bytes:
             logger.info("entry %s (%d bytes) is over the SSD budget", key, header.file_size)
             return []
@@ -246,7 +251,7 @@ class SSDTier:
         temp = path.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            kvformat.write_entry(fd, header, header_bytes, kv)
+            kvformat.write_entry(fd, header, header_bytes, encoded)
             stamp = self._next_stamp_ns()
             os.utime(fd, ns=(stamp, stamp))
             os.fsync(fd)
@@ -269,6 +274,7 @@ class SSDTier:
         return evicted
 
     def discard(self, key: str) -> bool:
+        """Delete the entry's file and forget it; whether the index knew it."""
         with self._lock:
             known = self._forget(key)
             self._unlink(self.file_path(key))
@@ -348,7 +354,7 @@ class SSDTier:
                 if not entry.name.endswith(_SUFFIX):
                     continue
                 key = entry.name[: -len(_SUFFIX)]
-                if not _KEY_RE.fullmatch(key) or key[:2] != sub.name:
+                if not is_valid_key(key) or key[:2] != sub.name:
                     continue  # not a name this tier writes; leave foreign files alone
                 known_size = self._index.get(key)
                 try:

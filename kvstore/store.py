@@ -1,30 +1,43 @@
-"""The KV store facade the engine uses: memory tier over SSD tier, write-through to SSD on a
-background worker thread, and layer streams over both tiers."""
+"""The KV store facade the engine uses: an ordered list of tiers (gpu, host memory, SSD, Redis),
+write-through to SSD and Redis on a background worker thread, and layer streams over them all."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvstore import format as kvformat
-from kvstore.loader import KVLayerStream, LayerSource, MemorySource
+from kvstore import tiers
+from kvstore.errors import KVEntryError
+from kvstore.loader import KVLayerStream, LayerSource, Loader, MemorySource
 from kvstore.memory_tier import MemoryTier
+from kvstore.remote_tier import RemoteEntryReader, RemoteTier, RemoteTierError
 from kvstore.ssd_tier import CheckReport, SSDEntryReader, SSDTier, is_entry_fault
-from kvstore.types import ChunkKV, TierStats
+from kvstore.tiers import Tier
+from kvstore.types import ChunkKV, TierStats, validate_key
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KVStoreConfig:
-    """Budgets in bytes; `ssd_path=None` keeps the store in memory only."""
+    """Budgets in bytes; `ssd_path=None` keeps the store off local disk.
+
+    `gpu_budget_bytes > 0` adds the gpu tier on `device` ahead of host memory: entries that
+    hit `gpu_promote_hits` times in host memory are copied there, and the exact prefix cache
+    lives there. On the CPU the host tier plays that role, so the engine leaves it at 0.
+    `remote_url` (redis:// or rediss://) adds the remote tier after SSD, shared by every
+    engine; `remote_timeout_s` bounds each Redis connect and read.
+    """
 
     model_fingerprint: str
     memory_budget_bytes: int = 2 * 1024**3
@@ -33,85 +46,174 @@ class KVStoreConfig:
     pin_memory: bool = False  # set when the engine runs on CUDA
     lookahead: int = 2
     direct_io: bool = True  # O_DIRECT reads where the filesystem supports them
+    gpu_budget_bytes: int = 0
+    device: str = "cpu"
+    gpu_promote_hits: int = 2
+    ssd_encoding: str = "none"  # of new SSD and remote entries (codec.ENCODINGS); all read back
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password
+    remote_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
             raise ValueError("model_fingerprint must not be empty")
-        if min(self.memory_budget_bytes, self.ssd_budget_bytes, self.lookahead) < 0:
-            raise ValueError(f"budgets and lookahead must be >= 0: {self}")
+        budgets = (self.memory_budget_bytes, self.ssd_budget_bytes, self.gpu_budget_bytes)
+        if min(*budgets, self.lookahead) < 0 or self.gpu_promote_hits < 1:
+            raise ValueError(f"budgets and lookahead must be >= 0, gpu_promote_hits >= 1: {self}")
 
 
 @dataclass
 class StoreStats:
-    """Counters per tier (`ssd` is None without an SSD tier) and the state of the SSD writes."""
+    """Counters per tier, fastest first, and the state of the background writes by persistent
+    tier: `write_errors_by_tier` counts failed writes, `last_write_error_by_tier` says why a
+    tier's latest write failed (e.g. "ENOSPC: No space left on device", never a path), None
+    once a write to it succeeds again."""
 
-    memory: TierStats
-    ssd: TierStats | None
+    tiers: dict[str, TierStats]
     pending_writes: int
-    write_errors: int
+    write_errors_by_tier: dict[str, int] = field(default_factory=dict)
+    last_write_error_by_tier: dict[str, str | None] = field(default_factory=dict)
+
+    def tier(self, name: str) -> TierStats | None:
+        return self.tiers.get(name)
+
+    @property
+    def write_errors(self) -> int:
+        """Failed writes to every persistent tier together."""
+        return sum(self.write_errors_by_tier.values())
+
+    @property
+    def last_write_error(self) -> str | None:
+        """Why the latest write to the first failing persistent tier (SSD before remote)
+        failed, or None when every tier's last write succeeded."""
+        return next((e for e in self.last_write_error_by_tier.values() if e is not None), None)
+
+
+def _describe(error: BaseException) -> str:
+    """The error's kind without the file names an OSError carries."""
+    if isinstance(error, RemoteTierError):
+        return str(error)  # names the failure and Redis's address, never a path or a password
+    if isinstance(error, OSError) and error.errno is not None:
+        return f"{errno.errorcode.get(error.errno, error.errno)}: {error.strerror}"
+    return type(error).__name__
 
 
 class KVStore:
-    """Chunk KV by key across tiers. Thread-safe. SSD writes and promotions run on one
-    background worker thread; flush() waits for them, close() (or `with`) flushes and stops it.
+    """Chunk KV by key across an ordered list of tiers (kvstore.tiers.ORDER). Thread-safe.
+
+    `put` stores in host memory at once and writes through to the persistent tiers (SSD,
+    remote) on one background worker thread, which also does promotions; flush() waits for
+    them, close() (or `with`) flushes and stops it.
     """
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
-        self.memory = MemoryTier(config.memory_budget_bytes, config.pin_memory)
-        self.ssd = (
+        self._memory = MemoryTier(config.memory_budget_bytes, config.pin_memory)
+        self._gpu = (
+            MemoryTier(config.gpu_budget_bytes, name=tiers.GPU, device=config.device)
+            if config.gpu_budget_bytes > 0
+            else None
+        )
+        self._ssd = (
             SSDTier(
-                config.ssd_path, config.ssd_budget_bytes, config.model_fingerprint, config.direct_io
+                config.ssd_path,
+                config.ssd_budget_bytes,
+                config.model_fingerprint,
+                config.direct_io,
+                config.ssd_encoding,
             )
             if config.ssd_path is not None
             else None
         )
+        self._remote = (
+            RemoteTier(
+                config.remote_url,
+                config.model_fingerprint,
+                config.ssd_encoding,
+                config.remote_timeout_s,
+            )
+            if config.remote_url is not None
+            else None
+        )
+        present: list[Tier | None] = [self._gpu, self._memory, self._ssd, self._remote]
+        self.tiers: list[Tier] = sorted(
+            (t for t in present if t is not None), key=lambda t: tiers.rank(t.name)
+        )
+        self.loader = Loader(f"kv-loader-{id(self):x}")  # one thread for every stream
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._pending: set[str] = set()  # keys queued for an SSD write
-        self._write_errors = 0
+        self._pending: dict[str, Future[bool]] = {}  # keys queued for a write-through
+        self._host_hits: dict[str, int] = {}  # host-memory hits of keys not yet on the gpu
+        self._persistent = [t for t in self.tiers if t.name in tiers.PERSISTENT]
+        self._write_errors = {t.name: 0 for t in self._persistent}
+        self._last_write_error: dict[str, str | None] = {t.name: None for t in self._persistent}
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = threading.Thread(
             target=self._work, name="kv-store-worker", daemon=True
         )
         self._worker.start()
 
-    def lookup(self, keys: Sequence[str]) -> list[str | None]:
-        """Where each key is ("memory", "ssd" or None), from the indexes only: no I/O, no
-        recency change, no hit counted. An "ssd" entry can still turn out bad when read."""
-        tiers: list[str | None] = []
-        for key in keys:
-            if key in self.memory:
-                tiers.append(self.memory.name)
-            elif self.ssd is not None and key in self.ssd:
-                tiers.append(self.ssd.name)
-            else:
-                tiers.append(None)
-        return tiers
+    def tier(self, name: str) -> Tier | None:
+        """The tier called `name` (a kvstore.tiers constant), or None when not configured."""
+        return next((t for t in self.tiers if t.name == name), None)
 
-    def put(self, key: str, kv: ChunkKV) -> None:
-        """Store `kv` in memory now and on SSD in the background (see flush()). The store keeps
-        the tensors it is given (moved to host): do not modify them afterwards.
+    def lookup(self, keys: Sequence[str]) -> list[str | None]:
+        """Where each key is (the fastest tier holding it, or None), from the local indexes (no
+        I/O) and, for keys no local tier has, one HEXISTS on Redis each (none while Redis is
+        unreachable); no recency change, no hit counted. An entry can still turn out bad when
+        read."""
+        return [next((t.name for t in self.tiers if key in t), None) for key in keys]
+
+    def put(self, key: str, kv: ChunkKV) -> Future[bool]:
+        """Store `kv` in host memory now and in the SSD and remote tiers in the background (see
+        flush()). The store keeps the tensors it is given (moved to host): do not modify them
+        afterwards. A tier that has the key already is not written again (keys are content
+        hashes).
+
+        The future is done once every write-through is (so the entry is in Redis, when Redis
+        is up, by then). It is True when the entry is in the first persistent tier (SSD when
+        there is one, else remote, else memory), False when it could not be written there (a
+        failed write, counted in `write_errors_by_tier`; an entry over the tier's budget). A
+        failed write to remote alone is counted, not reported here: the entry is on SSD.
         Raises ValueError for an unsupported dtype, an empty chunk or a malformed key, and
         RuntimeError after close()."""
         if self._worker is None:
             raise RuntimeError("KVStore.put after close()")
         if kv.keys.dtype not in kvformat.supported_dtypes() or kv.num_tokens == 0:
             raise ValueError(f"cannot store {kv.keys.dtype} KV of {kv.num_tokens} tokens")
-        if self.ssd is not None:
-            self.ssd.file_path(key)  # validates the key before anything is stored
+        validate_key(key)
         host = ChunkKV(keys=kv.keys.detach().cpu(), values=kv.values.detach().cpu())
-        self.memory.put(key, host)
-        if self.ssd is None or key in self.ssd:
-            return  # keys are content hashes: an entry on SSD already holds these tensors
+        self._memory.put(key, host)
+        written: Future[bool] = Future()
+        if not self._persistent:
+            written.set_result(key in self._memory)
+            return written
+        if self._remote is None and self._ssd is not None and key in self._ssd:
+            written.set_result(True)  # keys are content hashes: the entry holds these tensors
+            return written
         with self._lock:
-            if key in self._pending:
-                return
-            self._pending.add(key)
-        self._jobs.put(lambda: self._write(key, host))
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending
+            self._pending[key] = written
+        self._jobs.put(lambda: self._write(key, host, written))
+        return written
+
+    def put_local(self, key: str, kv: ChunkKV) -> bool:
+        """Keep `kv` in the fastest tier only (gpu, else host memory), never written through:
+        for entries cheap to rebuild, like an exact prompt prefix. Whether it was kept."""
+        validate_key(key)
+        fastest = self.tiers[0]
+        fastest.put(key, kv)
+        return key in fastest
+
+    def get_local(self, key: str) -> ChunkKV | None:
+        """An entry of the fastest tier (as put_local left it), now most recently used."""
+        fastest = self.tiers[0]
+        assert isinstance(fastest, MemoryTier)
+        return fastest.get(key)
 
     def flush(self) -> None:
-        """Block until every SSD write and promotion queued so far is done (a failed write is
-        counted in `write_errors`). Returns at once after close()."""
+        """Block until every write-through and promotion queued so far is done (a failed write
+        is counted in `write_errors_by_tier`). Returns at once after close()."""
         if self._worker is not None:
             self._jobs.join()
 
@@ -121,64 +223,78 @@ class KVStore:
         device: torch.device | str = "cpu",
         read_delay_s: float = 0.0,
         lookahead: int | None = None,
+        first_layer: int = 0,
     ) -> KVLayerStream:
-        """A LayerStream over `keys`; a key in no tier (or bad on SSD), or None, is simply not
-        present.
+        """A LayerStream over `keys`, each served by the fastest tier that has it; a key in no
+        tier (or bad on SSD or remote), or None, is simply not present. Layers below
+        `first_layer` are never loaded.
 
-        Every SSD entry the stream reads completely is promoted to memory in the background
-        (`flush()` waits for it): its read buffer becomes the memory-tier entry without a second
-        read (copied once into pinned memory when pin_memory). A corrupt layer mid-stream makes
-        `layer(i)` raise KVStreamError and deletes the entry.
+        Every SSD or remote entry the stream read, completely or in part, is promoted to host
+        memory in the background (`flush()` waits for it): the layers not read yet are read by
+        the store's worker, and the read buffer becomes the host entry without a second read
+        (copied once into pinned memory when pin_memory); a remote entry is also written to
+        SSD. A key hit `gpu_promote_hits` times in host memory is copied to the gpu tier in the
+        background. A corrupt layer mid-stream makes `layer(i)` raise KVStreamError and
+        deletes the entry; a remote entry evicted or a Redis failure mid-stream raises it too.
         `read_delay_s` is slept once per layer inside its load (tests and benchmarks).
         """
         sources: list[LayerSource | None] = []
         for key in keys:
-            kv = self.memory.get(key) if key is not None else None
-            if key is None:
-                sources.append(None)
-            elif kv is not None:
-                sources.append(MemorySource(key, kv))
-            elif self.ssd is not None:
-                sources.append(self.ssd.open_entry(key))
-            else:
-                sources.append(None)
+            source = None
+            if key is not None:
+                for tier in self.tiers:
+                    source = tier.open(key)
+                    if source is not None:
+                        break
+            if source is not None and source.tier == tiers.MEMORY:
+                self._count_host_hit(source)
+            sources.append(source)
         return KVLayerStream(
             sources,
             device=device,
             lookahead=self.config.lookahead if lookahead is None else lookahead,
             read_delay_s=read_delay_s,
-            on_complete=self._promote,
+            on_finish=self._finish_stream,
             on_error=self._stream_failed,
+            first_layer=first_layer,
+            loader=self.loader,
         )
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters; see docs/kvstore.md for what each one counts."""
         with self._lock:
-            pending, errors = len(self._pending), self._write_errors
+            pending, errors, last_errors = (
+                len(self._pending),
+                dict(self._write_errors),
+                dict(self._last_write_error),
+            )
         return StoreStats(
-            memory=self.memory.stats(),
-            ssd=self.ssd.stats() if self.ssd is not None else None,
+            tiers={t.name: t.stats() for t in self.tiers},
             pending_writes=pending,
-            write_errors=errors,
+            write_errors_by_tier=errors,
+            last_write_error_by_tier=last_errors,
         )
 
     def check(self, verify_data: bool = False) -> CheckReport:
         """Reconcile the SSD index with its folder (see SSDTier.check); pending writes first."""
         self.flush()
-        return self.ssd.check(verify_data) if self.ssd is not None else CheckReport()
+        return self._ssd.check(verify_data) if self._ssd is not None else CheckReport()
 
     def drop_page_cache(self) -> None:
         """Evict the SSD files from the OS page cache, for cold-read benchmarks."""
-        if self.ssd is not None:
-            self.ssd.drop_page_cache()
+        if self._ssd is not None:
+            self._ssd.drop_page_cache()
 
     def close(self) -> None:
         """Flush pending work and stop the worker thread. Idempotent."""
         if self._worker is not None:
+            self.loader.stop()
             self.flush()
             self._jobs.put(None)
             self._worker.join()
             self._worker = None
+            if self._remote is not None:
+                self._remote.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -198,29 +314,91 @@ class KVStore:
             finally:
                 self._jobs.task_done()
 
-    def _write(self, key: str, kv: ChunkKV) -> None:
-        assert self.ssd is not None
+    def _write(self, key: str, kv: ChunkKV, written: Future[bool]) -> None:
         try:
-            self.ssd.put(key, kv)
-        except Exception:  # a failed write leaves the entry memory-only, never a crash
-            logger.exception("SSD write of %s failed", key)
-            with self._lock:
-                self._write_errors += 1
+            outcomes = [self._write_to(tier, key, kv) for tier in self._persistent]
         finally:
             with self._lock:
-                self._pending.discard(key)
+                self._pending.pop(key, None)
+        written.set_result(outcomes[0])
 
-    def _promote(self, sources: list[LayerSource]) -> None:
-        # Called on the loader thread: pinning a large entry takes a while, so the worker does it.
+    def _write_to(self, tier: Tier, key: str, kv: ChunkKV) -> bool:
+        """Write `kv` to one persistent tier unless it has the key; whether it has it now."""
+        try:
+            if key in tier:
+                return True  # keys are content hashes: the entry holds these tensors
+            tier.put(key, kv)
+        except Exception as exc:  # a failed write leaves the entry where it was, never a crash
+            if isinstance(exc, RemoteTierError):  # the breaker logs Redis going down
+                logger.debug("%s write of %s failed: %s", tier.name, key, exc)
+            else:
+                logger.exception("%s write of %s failed", tier.name, key)
+            with self._lock:
+                self._write_errors[tier.name] += 1
+                if not isinstance(exc, RemoteTierError) or exc.answered:
+                    # An unreachable Redis is the tier's state, not a failing write.
+                    self._last_write_error[tier.name] = _describe(exc)
+            return False
+        with self._lock:
+            self._last_write_error[tier.name] = None
+        return key in tier  # not there: over the tier's budget, or evicted at once
+
+    def _count_host_hit(self, source: LayerSource) -> None:
+        if self._gpu is None or source.key in self._gpu:
+            return
+        with self._lock:
+            hits = self._host_hits[source.key] = self._host_hits.get(source.key, 0) + 1
+            if hits < self.config.gpu_promote_hits:
+                return
+            del self._host_hits[source.key]
+        assert isinstance(source, MemorySource)
+        self._jobs.put(functools.partial(self._admit, self._gpu, source.key, source.kv))
+
+    def _finish_stream(self, sources: list[LayerSource], layers_read: set[int]) -> None:
+        # Called on the loader thread, which must stay quick: reading the rest of an entry and
+        # pinning it take a while, so the worker does them (and closes those readers).
         for source in sources:
-            if isinstance(source, SSDEntryReader):
-                kv = source.chunk_kv()
-                if kv is not None:
-                    self._jobs.put(functools.partial(self._admit, source.key, kv))
+            if (
+                isinstance(source, SSDEntryReader | RemoteEntryReader)
+                and layers_read
+                and self._worker is not None
+                and self._worth_promoting(source)
+            ):
+                self._jobs.put(functools.partial(self._promote, source, set(layers_read)))
+            else:
+                source.close()
 
-    def _admit(self, key: str, kv: ChunkKV) -> None:
-        self.memory.put(key, kv)
+    def _worth_promoting(self, reader: SSDEntryReader | RemoteEntryReader) -> bool:
+        """Whether a tier can keep the whole entry: host memory, or SSD for a remote entry."""
+        fits = reader.header.chunk_nbytes <= self._memory.budget_bytes
+        return fits or (isinstance(reader, RemoteEntryReader) and self._ssd is not None)
 
-    def _stream_failed(self, key: str, error: BaseException) -> None:
-        if self.ssd is not None and is_entry_fault(error):
-            self.ssd.report_corrupt(key, error)
+    def _promote(self, reader: SSDEntryReader | RemoteEntryReader, layers_read: set[int]) -> None:
+        try:
+            for layer in range(reader.num_layers):
+                if layer not in layers_read:
+                    reader.read_layer(layer)
+            kv = reader.chunk_kv()
+        except (KVEntryError, OSError) as exc:
+            self._stream_failed(reader, exc)
+            return
+        finally:
+            reader.close()
+        if kv is None:
+            return
+        if kv.nbytes <= self._memory.budget_bytes:
+            self._admit(self._memory, reader.key, kv)
+        if isinstance(reader, RemoteEntryReader) and self._ssd is not None:
+            self._write_to(self._ssd, reader.key, kv)  # the next restart finds it locally
+
+    @staticmethod
+    def _admit(tier: MemoryTier, key: str, kv: ChunkKV) -> None:
+        tier.put(key, kv)
+
+    def _stream_failed(self, source: LayerSource, error: BaseException) -> None:
+        """A read of `source` failed: its tier deletes the entry if the entry is at fault."""
+        if isinstance(source, SSDEntryReader) and self._ssd is not None:
+            if is_entry_fault(error):
+                self._ssd.report_corrupt(source.key, error)
+        elif isinstance(source, RemoteEntryReader) and self._remote is not None:
+            self._remote.report_error(source.key, error)

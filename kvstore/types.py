@@ -4,12 +4,27 @@ layer-by-layer stream the blender reads from."""
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
+
+_KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,200}")
+
+
+def is_valid_key(key: object) -> bool:
+    """Whether `key` can be a store key: it names files and remote values."""
+    return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
+
+
+def validate_key(key: str) -> str:
+    """`key` when it is a valid store key, else ValueError."""
+    if not is_valid_key(key):
+        raise ValueError(f"key {key!r} is not 2-200 characters of [0-9A-Za-z_-]")
+    return key
 
 
 def chunk_key(model_fingerprint: str, token_ids: Sequence[int]) -> str:
@@ -64,9 +79,12 @@ class LayerLoad:
 
 @dataclass
 class StreamStats:
-    """What one stream read, by tier."""
+    """What one stream read, by tier, and the host-to-device copies that moved it (one per
+    layer when coalesced)."""
 
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    device_copies: int = 0
+    device_copy_bytes: int = 0
 
 
 class LayerStream(Protocol):
@@ -89,12 +107,20 @@ class LayerStream(Protocol):
 
 @dataclass
 class TierStats:
-    """Counters of one tier; `corrupt` counts entries dropped because they failed a check."""
+    """Counters of one tier; `corrupt` counts entries dropped because they failed a check.
 
-    entries: int = 0
-    bytes: int = 0
-    budget_bytes: int = 0
+    Entries, bytes and budget are None where the tier cannot know them (the remote tier: Redis
+    holds the entries of every engine and evicts them itself). `bytes_written` counts what this
+    process wrote to the tier; `reachable` and `last_error` say whether its backend answers
+    (only the remote tier can be unreachable) and why the last operation failed."""
+
+    entries: int | None = 0
+    bytes: int | None = 0
+    budget_bytes: int | None = 0
     hits: int = 0
     misses: int = 0
     evictions: int = 0
     corrupt: int = 0
+    bytes_written: int = 0
+    reachable: bool = True
+    last_error: str | None = None

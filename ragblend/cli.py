@@ -10,12 +10,14 @@ import argparse
 import importlib
 
 from common.request_id import configure_logging
+from ragblend.up import exit_with_parent
 
 SUBCOMMAND_MODULES = (
     "engine.cli",
     "retriever.cli",
     "gateway.cli",
     "ragblend.up",
+    "evaluation.cli",
 )
 
 
@@ -29,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_with_parent()
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
     return int(args.run(args) or 0)

@@ -1,42 +1,100 @@
-"""`ragblend up`: start retriever, engine and gateway on localhost as child processes, ingest
-the sample documents on first start, wait until ready, and stop all three on Ctrl-C/SIGTERM."""
+"""`ragblend up`: retriever, engines (and a Redis KV tier they share) and gateway on 127.0.0.1
+as child processes; ingests the sample documents on first start, restarts a child that dies,
+and stops every child it started."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
-STOP_TIMEOUT_S = 30.0
+log = logging.getLogger("ragblend.up")
+
 POLL_S = 0.5
+# SIGTERM, then SIGKILL of the child's whole process group after this long. The services bound
+# their own drain below it (common.serving.GRACEFUL_SHUTDOWN_S; the gateway's flag below).
+STOP_GRACE_S = 15.0
+GATEWAY_DRAIN_S = 10
+# A dead child comes back after 1, 2, 4 … 30 s; one that ran this long had recovered, so its
+# next death starts the count again instead of counting as one more quick failure.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_S = 300.0
+MAX_RESTARTS = 8
+# Set in the children's environment: each asks the kernel to kill it when `up` dies.
+PARENT_PID_ENV = "RAGBLEND_UP_PID"
+PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The shared internal token goes to each service under its own settings prefix.
+INTERNAL_TOKEN_ENV = "RAGBLEND_INTERNAL_TOKEN"
+SERVICE_TOKEN_ENVS = tuple(
+    f"RAGBLEND_{name}_INTERNAL_TOKEN" for name in ("RETRIEVER", "ENGINE", "GATEWAY")
+)
+MAX_ENGINES = 16
+REMOTE_URL_ENV = "RAGBLEND_ENGINE_REMOTE_URL"
+REDIS_READY_TIMEOUT_S = 30.0
 
 
 class UpError(RuntimeError):
-    """A start-up problem the user can fix (a port in use, no model); printed, exit 1."""
+    """A problem the user can fix (a port in use, no model, a crash loop); printed, exit 1."""
 
 
 @dataclass
 class Child:
+    """One service: its command, its current process, and its run of quick failures."""
+
     name: str
     port: int
-    proc: subprocess.Popen
+    cmd: list[str]
+    env: dict[str, str]
+    # Run in the forked child before exec: how a program that is not ragblend's (redis-server)
+    # asks to die with `up`.
+    preexec: Callable[[], None] | None = None
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    quick_failures: int = 0
+    restart_at: float | None = None
+    restarts: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def start(self) -> None:
+        # Own process group: a Ctrl-C in the terminal reaches only `up`, which stops the
+        # children itself, and a stop reaches whatever a child started (killpg).
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, start_new_session=True, preexec_fn=self.preexec
+        )
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        if self.proc is None:
+            return
+        # ProcessLookupError: the group is empty, every process of it has ended.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "up",
-        help="start retriever, engine and gateway on localhost",
-        description=__doc__.splitlines()[0],
+        help="start retriever, engines and gateway on localhost",
+        description=" ".join(__doc__.splitlines()[:2]),
     )
     parser.add_argument(
         "--model",
@@ -47,12 +105,52 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--gateway-port", type=int, default=8000)
     parser.add_argument("--retriever-port", type=int, default=8001)
-    parser.add_argument("--engine-port", type=int, default=8002)
+    parser.add_argument(
+        "--engine-port",
+        type=int,
+        default=8002,
+        help="port of the first engine; the others take the next ones (default 8002)",
+    )
+    parser.add_argument(
+        "--engines",
+        type=_engine_count,
+        default=1,
+        help=f"engine processes, on consecutive ports, each with its own KV folder "
+        f"(default 1, at most {MAX_ENGINES})",
+    )
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="start a local redis-server (which must be installed) as the engines' shared KV "
+        f"tier ({REMOTE_URL_ENV})",
+    )
+    parser.add_argument(
+        "--redis-port", type=int, help="port of that redis-server (default: a free one)"
+    )
+    parser.add_argument(
+        "--redis-maxmemory",
+        default="1gb",
+        help="its memory limit; the least recently used KV is evicted beyond it (default 1gb)",
+    )
     parser.add_argument(
         "--documents", help="folder ingested on first start (default: the bundled sample documents)"
     )
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help=f"quick failures in a row (each within {STABLE_S:.0f} s of its start) after which "
+        f"a dead service is not restarted and up stops (default {MAX_RESTARTS}; 0: never restart)",
+    )
     parser.set_defaults(run=run)
+
+
+def _engine_count(text: str) -> int:
+    count = int(text)
+    if not 1 <= count <= MAX_ENGINES:
+        raise argparse.ArgumentTypeError(f"between 1 and {MAX_ENGINES}")
+    return count
 
 
 def resolve_model(explicit: str | None) -> str:
@@ -69,7 +167,8 @@ def resolve_model(explicit: str | None) -> str:
     )
 
 
-def check_port_free(name: str, port: int) -> None:
+def check_port_free(name: str, port: int, flag: str | None = None) -> None:
+    """`flag`: the option that moves the port (default --NAME-port)."""
     with socket.socket() as sock:
         # As uvicorn does: a port whose old connections linger in TIME_WAIT is free to it.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -78,28 +177,124 @@ def check_port_free(name: str, port: int) -> None:
         except OSError as exc:
             raise UpError(
                 f"port {port} for the {name} is already in use ({exc.strerror}); stop what "
-                f"uses it or pass --{name}-port"
+                f"uses it or pass {flag or f'--{name}-port'}"
             ) from None
 
 
-def start(name: str, port: int, args: list[str], log_level: str) -> Child:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In the forked child, before exec (Linux): SIGKILL when `up` dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def redis_child(port: int, data_dir: Path, maxmemory: str) -> Child:
+    """redis-server on 127.0.0.1 only, its files in `data_dir`, nothing persisted: the KV it
+    holds is a cache the engines refill. Without a password, so loopback only."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise UpError(
+            "--redis needs redis-server, which is not installed (on Debian or Ubuntu: "
+            "apt-get install redis-server); or run without --redis"
+        )
+    cmd = [
+        binary,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(data_dir),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--maxmemory",
+        maxmemory,
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]
+    preexec = die_with_parent if sys.platform.startswith("linux") else None
+    return Child("redis", port, cmd, dict(os.environ), preexec=preexec)
+
+
+def wait_redis(redis: Child, timeout_s: float) -> None:
+    """Until it answers PING (the engines would start with their remote tier unreachable)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        check_started([redis])
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", redis.port), timeout=1.0) as sock,
+        ):
+            sock.sendall(b"PING\r\n")
+            if sock.recv(64).startswith(b"+PONG"):
+                return
+        time.sleep(0.1)
+    raise UpError(f"redis-server did not answer on port {redis.port} after {timeout_s:.0f} s")
+
+
+def child_env() -> dict[str, str]:
+    """The children's environment. Secrets travel only here: a command line is world-readable
+    (ps, /proc/PID/cmdline)."""
+    env = dict(os.environ)
+    env[PARENT_PID_ENV] = str(os.getpid())
+    token = os.environ.get(INTERNAL_TOKEN_ENV)
+    if token:
+        for name in SERVICE_TOKEN_ENVS:
+            env.setdefault(name, token)
+    return env
+
+
+def child(
+    name: str,
+    port: int,
+    args: list[str],
+    log_level: str,
+    env: dict[str, str],
+    command: str | None = None,
+) -> Child:
+    """`ragblend COMMAND` (default: the name) on 127.0.0.1:`port`."""
+    # Loopback only: there the services need no internal token and nothing is exposed.
     cmd = [
         sys.executable,
         "-m",
         "ragblend",
         "--log-level",
         log_level,
-        name,
+        command or name,
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         *args,
     ]
-    # Own process group: a Ctrl-C in the terminal reaches only us, and we stop the children
-    # in order instead of all at once.
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    return Child(name, port, proc)
+    return Child(name, port, cmd, env)
+
+
+def exit_with_parent() -> None:
+    """In a child of `up` (Linux): the kernel SIGKILLs it when `up` dies, even of SIGKILL, so no
+    service is left running without its supervisor."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)  # popped: grandchildren are not ours
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    # `up` may have died before the prctl: then the signal will never come.
+    if os.getppid() != int(parent):
+        raise SystemExit("ragblend up, which started this service, has ended")
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    return f"code {code}"
 
 
 def wait_ready(children: list[Child], gateway: Child, timeout_s: float) -> None:
@@ -109,7 +304,7 @@ def wait_ready(children: list[Child], gateway: Child, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     with Console(stderr=True).status("waiting for the services (loading models)…") as status:
         while time.monotonic() < deadline:
-            check_alive(children)
+            check_started(children)
             try:
                 response = httpx.get(f"{gateway.url}/ready", timeout=2.0)
                 if response.status_code == 200:
@@ -121,11 +316,53 @@ def wait_ready(children: list[Child], gateway: Child, timeout_s: float) -> None:
     raise UpError(f"the services were not ready after {timeout_s:.0f} s")
 
 
-def check_alive(children: list[Child]) -> None:
+def check_started(children: list[Child]) -> None:
+    """Before the stack was first ready a death is a set-up problem (a bad model, a bad
+    flag) that a restart would only repeat: stop and say so."""
     for child in children:
+        assert child.proc is not None
         code = child.proc.poll()
         if code is not None:
-            raise UpError(f"the {child.name} exited with code {code}; see its log above")
+            raise UpError(
+                f"the {child.name} exited with {describe_exit(code)} while starting; "
+                "see its log above"
+            )
+
+
+def supervise(children: list[Child], max_restarts: int) -> None:
+    """Restart each child that died, after its backoff; UpError after `max_restarts` quick
+    failures in a row of one child."""
+    now = time.monotonic()
+    for child in children:
+        assert child.proc is not None
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                child.restarts += 1
+                log.warning("restarting the %s (restart %d)", child.name, child.restarts)
+                child.start()
+            continue
+        code = child.proc.poll()
+        if code is None:
+            continue
+        # What the dead child started would keep its port or burn CPU next to its successor.
+        child.signal_group(signal.SIGKILL)
+        quick = now - child.started_at < STABLE_S
+        child.quick_failures = child.quick_failures + 1 if quick else 1
+        if child.quick_failures > max_restarts:
+            raise UpError(
+                f"the {child.name} exited with {describe_exit(code)}: {child.quick_failures} "
+                f"failures in a row, each within {STABLE_S:.0f} s of its start; giving up "
+                "(see its log above)"
+            )
+        delay = min(BACKOFF_FIRST_S * 2 ** (child.quick_failures - 1), BACKOFF_MAX_S)
+        log.warning(
+            "the %s (pid %d) exited with %s; restarting it in %.0f s",
+            child.name,
+            child.proc.pid,
+            describe_exit(code),
+            delay,
+        )
+        child.restart_at = now + delay
 
 
 def ingest_samples(gateway: Child, folder: Path) -> None:
@@ -133,7 +370,12 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
     import httpx
     from tqdm import tqdm
 
-    from retriever.extract import ExtractionError, extract_text, is_supported
+    from retriever.extract import (
+        ExtractionError,
+        ExtractionLimitError,
+        extract_text,
+        is_supported,
+    )
 
     with httpx.Client(base_url=gateway.url, timeout=600.0) as client:
         if client.get("/v1/documents", params={"limit": 1}).json()["total"] > 0:
@@ -143,7 +385,7 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
         for path in tqdm(files, desc="ingesting sample documents", unit="doc", file=sys.stderr):
             try:
                 extracted = extract_text(path.name, path.read_bytes())
-            except (ExtractionError, OSError) as exc:
+            except (ExtractionError, ExtractionLimitError, OSError) as exc:
                 failed += 1
                 print(f"  {path.name}: {exc}", file=sys.stderr)
                 continue
@@ -165,27 +407,32 @@ def ingest_samples(gateway: Child, folder: Path) -> None:
 
 
 def stop_all(children: list[Child]) -> None:
-    """SIGTERM the gateway first (it drains its streams), then the others; SIGKILL on timeout."""
-    # A second Ctrl-C must not abandon the children half-stopped; the timeout bounds the wait.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    for child in reversed(children):
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    for child in reversed(children):
+    """SIGTERM every child's process group (the gateway first: it drains its streams), then
+    SIGKILL each group after STOP_GRACE_S in all."""
+    # A second Ctrl-C must not abandon the children half-stopped; the grace bounds the wait.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    started = [c for c in reversed(children) if c.proc is not None]
+    for child in started:
+        child.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in started:
+        assert child.proc is not None
         try:
-            child.proc.wait(timeout=STOP_TIMEOUT_S)
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(
-                f"the {child.name} did not stop in {STOP_TIMEOUT_S:.0f} s; killing it",
-                file=sys.stderr,
+            log.warning(
+                "the %s did not stop within %.0f s of SIGTERM; killing it",
+                child.name,
+                STOP_GRACE_S,
             )
-            child.proc.kill()
-            child.proc.wait()
+        # Also when the child itself ended: what it started must not outlive it.
+        child.signal_group(signal.SIGKILL)
+        child.proc.wait()
 
 
 class _Stop(Exception):
-    """SIGTERM or SIGINT arrived."""
+    """SIGTERM, SIGINT or SIGHUP arrived."""
 
 
 def _raise_stop(signum, _frame) -> None:
@@ -193,70 +440,96 @@ def _raise_stop(signum, _frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    data_dir = Path(args.data_dir).resolve()
-    ports = {
-        "gateway": args.gateway_port,
-        "retriever": args.retriever_port,
-        "engine": args.engine_port,
-    }
     children: list[Child] = []
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
-    try:
-        model = resolve_model(args.model)
-        for name, port in ports.items():
-            check_port_free(name, port)
-        level = args.log_level
-        # Chunks are sized in the model's own tokens, so top_k of them fit its context.
-        children.append(
-            start(
-                "retriever",
-                ports["retriever"],
-                [
-                    "--data-dir",
-                    str(data_dir / "retriever"),
-                    "--tokenizer",
-                    model,
-                ],
-                level,
-            )
-        )
-        children.append(
-            start(
-                "engine",
-                ports["engine"],
-                ["--model", model, "--store-path", str(data_dir / "kv")],
-                level,
-            )
-        )
-        gateway = start(
-            "gateway",
-            ports["gateway"],
-            [
-                "--retriever-url",
-                children[0].url,
-                "--engine-urls",
-                children[1].url,
-            ],
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_stop)
+    # Scratch space of this run (redis-server's folder), removed once every child has stopped.
+    with tempfile.TemporaryDirectory(prefix="ragblend-up-") as scratch:
+        try:
+            _run(args, children, Path(scratch))
+        except _Stop as stop:
+            print(f"\n{stop}: stopping the services…", file=sys.stderr)
+            return 0
+        except UpError as exc:
+            print(f"ragblend up: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            # Whatever ended `up` (a signal, a crash loop, a bug in up itself), no child
+            # outlives it.
+            stop_all(children)
+
+
+def engine_names(count: int) -> list[str]:
+    """One engine keeps the name `engine`; several are named as the gateway names them."""
+    return ["engine"] if count == 1 else [f"engine-{i}" for i in range(count)]
+
+
+def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoReturn:
+    data_dir = Path(args.data_dir).resolve()
+    model = resolve_model(args.model)
+    engines = engine_names(args.engines)
+    if args.engine_port + args.engines - 1 > 65535:
+        raise UpError(f"--engine-port {args.engine_port} leaves no room for {args.engines} engines")
+    check_port_free("gateway", args.gateway_port)
+    check_port_free("retriever", args.retriever_port)
+    for i, name in enumerate(engines):
+        check_port_free(name, args.engine_port + i, "--engine-port")
+    level, env = args.log_level, child_env()
+    engine_env = env
+    if args.redis:
+        if args.redis_port is not None:
+            check_port_free("redis", args.redis_port)
+        redis = redis_child(args.redis_port or free_port(), scratch, args.redis_maxmemory)
+        children.append(redis)
+        redis.start()
+        wait_redis(redis, REDIS_READY_TIMEOUT_S)
+        engine_env = {**env, REMOTE_URL_ENV: f"redis://127.0.0.1:{redis.port}/0"}
+    # Chunks are sized in the model's own tokens, so top_k of them fit its context.
+    retriever = child(
+        "retriever",
+        args.retriever_port,
+        ["--data-dir", str(data_dir / "retriever"), "--tokenizer", model],
+        level,
+        env,
+    )
+    # Each engine its own SSD tier (two processes must not manage one folder); the first
+    # keeps `kv`, the folder of a single engine.
+    pool = [
+        child(
+            name,
+            args.engine_port + i,
+            ["--model", model, "--store-path", str(data_dir / ("kv" if i == 0 else f"kv-{i}"))],
             level,
+            engine_env,
+            command="engine",
         )
-        children.append(gateway)
-        wait_ready(children, gateway, args.ready_timeout_s)
-        documents = Path(args.documents) if args.documents else _demo_documents()
-        if documents is not None and documents.is_dir():
-            ingest_samples(gateway, documents)
-        print(_banner(gateway), flush=True)
-        while True:
-            check_alive(children)
-            time.sleep(POLL_S)
-    except _Stop as stop:
-        print(f"\n{stop}: stopping the services…", file=sys.stderr)
-        stop_all(children)
-        return 0
-    except UpError as exc:
-        print(f"ragblend up: {exc}", file=sys.stderr)
-        stop_all(children)
-        return 1
+        for i, name in enumerate(engines)
+    ]
+    gateway = child(
+        "gateway",
+        args.gateway_port,
+        [
+            "--retriever-url",
+            retriever.url,
+            "--engine-urls",
+            ",".join(engine.url for engine in pool),
+            "--shutdown-grace-s",
+            str(GATEWAY_DRAIN_S),
+        ],
+        level,
+        env,
+    )
+    for service in (retriever, *pool, gateway):
+        children.append(service)
+        service.start()
+    wait_ready(children, gateway, args.ready_timeout_s)
+    documents = Path(args.documents) if args.documents else _demo_documents()
+    if documents is not None and documents.is_dir():
+        ingest_samples(gateway, documents)
+    print(_banner(gateway), flush=True)
+    while True:
+        supervise(children, args.max_restarts)
+        time.sleep(POLL_S)
 
 
 def _demo_documents() -> Path | None:
@@ -267,7 +540,7 @@ def _demo_documents() -> Path | None:
 
 def _banner(gateway: Child) -> str:
     return (
-        f"\nragblend is up: gateway {gateway.url} (Ctrl-C stops all three)\n"
+        f"\nragblend is up: gateway {gateway.url} (Ctrl-C stops every service)\n"
         "Try:\n"
         f"  curl -s {gateway.url}/v1/query -H 'Content-Type: application/json' \\\n"
         '    -d "{\\"question\\": \\"What is the job of Goulpu?\\", \\"top_k\\": 3}"\n'

@@ -1,9 +1,10 @@
-"""The chunk catalog in SQLite: documents, chunks, their text, token counts, metadata and
-embeddings. It is the source of truth; the FAISS index is a cache rebuilt from it."""
+"""The chunk catalog in SQLite: documents, chunks, their text, token counts, metadata,
+embeddings and a BM25 full-text index; the source of truth (FAISS is a cache rebuilt from it)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -14,23 +15,31 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+from common.validation import DEFAULT_COLLECTION
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS documents (
-    doc_id TEXT PRIMARY KEY,
+    collection TEXT NOT NULL,
+    doc_id TEXT NOT NULL,
     content_sha256 TEXT NOT NULL,
     metadata TEXT NOT NULL,
     num_chars INTEGER NOT NULL,
     num_chunks INTEGER NOT NULL,
     num_tokens INTEGER NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    PRIMARY KEY (collection, doc_id)
 );
 -- AUTOINCREMENT: a rowid is never reused, so a stale FAISS entry can never point at a
--- different chunk; rowids are the FAISS vector ids.
+-- different chunk: rowids are the FAISS vector ids. The same text in two collections is
+-- two rows (two vectors) under one chunk_id: deleting one leaves the other.
 CREATE TABLE IF NOT EXISTS chunks (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
-    doc_id TEXT NOT NULL REFERENCES documents(doc_id),
+    collection TEXT NOT NULL,
+    doc_id TEXT NOT NULL,
     position INTEGER NOT NULL,
     chunk_id TEXT NOT NULL,
     text TEXT NOT NULL,
@@ -38,10 +47,51 @@ CREATE TABLE IF NOT EXISTS chunks (
     start_char INTEGER NOT NULL,
     end_char INTEGER NOT NULL,
     embedding BLOB NOT NULL,
-    UNIQUE (doc_id, position)
+    UNIQUE (collection, doc_id, position),
+    FOREIGN KEY (collection, doc_id) REFERENCES documents (collection, doc_id)
 );
 CREATE INDEX IF NOT EXISTS chunks_by_chunk_id ON chunks (chunk_id);
 """
+# One by one inside a transaction (`executescript` would commit the open one first); each
+# statement ends a line with ';'.
+_SCHEMA_STATEMENTS = tuple(s for s in _SCHEMA.split(";\n") if s.strip())
+# Version 1 had no collections (documents keyed by doc_id alone). Its tables are rebuilt with
+# every document in the default collection; chunk rowids are kept, so the FAISS index (and
+# its file) stays valid, and the AUTOINCREMENT counter is carried over so no rowid is reused.
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE documents RENAME TO documents_v1",
+    "ALTER TABLE chunks RENAME TO chunks_v1",
+    "DROP INDEX chunks_by_chunk_id",
+    *_SCHEMA_STATEMENTS,
+    "INSERT INTO documents SELECT :collection, doc_id, content_sha256, metadata, num_chars,"
+    " num_chunks, num_tokens, created_at FROM documents_v1",
+    "INSERT INTO chunks SELECT id, :collection, doc_id, position, chunk_id, text, num_tokens,"
+    " start_char, end_char, embedding FROM chunks_v1",
+    "DELETE FROM sqlite_sequence WHERE name = 'chunks'",
+    "INSERT INTO sqlite_sequence (name, seq) SELECT 'chunks', seq FROM sqlite_sequence"
+    " WHERE name = 'chunks_v1'",
+    "DROP TABLE chunks_v1",
+    "DROP TABLE documents_v1",
+    "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
+)
+# BM25 over chunk text: an external-content FTS5 table (it stores only the inverted index; the
+# text stays in `chunks`), kept in step by triggers, so every write that inserts or deletes
+# chunks updates it in the same transaction. Porter stemming: "rivers" finds "river".
+FTS_TABLE = "chunks_fts"
+_FTS_STATEMENTS = (
+    f"CREATE VIRTUAL TABLE {FTS_TABLE} USING fts5(text, content='chunks', content_rowid='id',"
+    " tokenize='porter unicode61 remove_diacritics 2')",
+    f"CREATE TRIGGER chunks_fts_insert AFTER INSERT ON chunks BEGIN"
+    f" INSERT INTO {FTS_TABLE} (rowid, text) VALUES (new.id, new.text); END",
+    f"CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN"
+    f" INSERT INTO {FTS_TABLE} ({FTS_TABLE}, rowid, text) VALUES ('delete', old.id, old.text);"
+    " END",
+    f"CREATE TRIGGER chunks_fts_update AFTER UPDATE OF text ON chunks BEGIN"
+    f" INSERT INTO {FTS_TABLE} ({FTS_TABLE}, rowid, text) VALUES ('delete', old.id, old.text);"
+    f" INSERT INTO {FTS_TABLE} (rowid, text) VALUES (new.id, new.text); END",
+    # Backfill: a catalog written before the table existed gets every chunk indexed.
+    f"INSERT INTO {FTS_TABLE} ({FTS_TABLE}) VALUES ('rebuild')",
+)
 
 
 class CatalogMismatchError(RuntimeError):
@@ -50,6 +100,7 @@ class CatalogMismatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class DocumentRecord:
+    collection: str
     doc_id: str
     content_sha256: str
     metadata: dict[str, Any]
@@ -74,8 +125,10 @@ class ChunkRecord:
 @dataclass(frozen=True)
 class ChunkHit:
     chunk_id: str
+    collection: str
     doc_id: str
     text: str
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -87,11 +140,16 @@ class WriteResult:
     generation: int
 
 
+_DOCUMENT_COLUMNS = (
+    "collection, doc_id, content_sha256, metadata, num_chars, num_chunks, num_tokens, created_at"
+)
+
+
 class Catalog:
     """SQLite catalog; every public method opens its own connection, so threads may share it.
 
-    Writers must be serialised by the caller (the service holds one lock); readers may run
-    concurrently with a writer thanks to WAL mode.
+    Documents are keyed by (collection, doc_id). Writers must be serialised by the caller (the
+    service holds one lock); readers may run concurrently with a writer thanks to WAL mode.
     """
 
     def __init__(self, path: Path):
@@ -99,11 +157,32 @@ class Catalog:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as conn:
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
-            conn.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?), ('generation', '0')",
-                (str(SCHEMA_VERSION),),
-            )
+        with self._transaction() as conn:
+            version = _schema_version(conn)
+            if version == 1:
+                for statement in _MIGRATE_1_TO_2:
+                    conn.execute(statement, {"collection": DEFAULT_COLLECTION})
+                logger.info(
+                    "catalog %s migrated to schema 2: its documents are in collection %r",
+                    path,
+                    DEFAULT_COLLECTION,
+                )
+            elif version is None:
+                for statement in _SCHEMA_STATEMENTS:
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?), ('generation', '0')",
+                    (str(SCHEMA_VERSION),),
+                )
+            elif version != SCHEMA_VERSION:
+                raise CatalogMismatchError(
+                    f"catalog {path} has schema {version}, newer than this retriever's "
+                    f"{SCHEMA_VERSION}"
+                )
+            if not _has_table(conn, FTS_TABLE):
+                for statement in _FTS_STATEMENTS:
+                    conn.execute(statement)
+                logger.info("catalog %s: full-text index built over its chunks", path)
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -153,58 +232,73 @@ class Catalog:
                     f"(dim {stored['dim']}), not {model} (dim {dim}); use another data_dir"
                 )
 
-    def get_document(self, doc_id: str) -> DocumentRecord | None:
+    def get_document(self, collection: str, doc_id: str) -> DocumentRecord | None:
         with self._connect() as conn:
             row = conn.execute(
-                "SELECT doc_id, content_sha256, metadata, num_chars, num_chunks, num_tokens,"
-                " created_at FROM documents WHERE doc_id = ?",
-                (doc_id,),
+                f"SELECT {_DOCUMENT_COLUMNS} FROM documents WHERE collection = ? AND doc_id = ?",
+                (collection, doc_id),
             ).fetchone()
         return _document(row) if row else None
 
-    def list_documents(self, limit: int, offset: int) -> list[DocumentRecord]:
+    def list_documents(self, collection: str, limit: int, offset: int) -> list[DocumentRecord]:
         with self._connect() as conn:
             rows = conn.execute(
-                "SELECT doc_id, content_sha256, metadata, num_chars, num_chunks, num_tokens,"
-                " created_at FROM documents ORDER BY created_at, doc_id LIMIT ? OFFSET ?",
-                (limit, offset),
+                f"SELECT {_DOCUMENT_COLUMNS} FROM documents WHERE collection = ?"
+                " ORDER BY created_at, doc_id LIMIT ? OFFSET ?",
+                (collection, limit, offset),
             ).fetchall()
         return [_document(row) for row in rows]
 
-    def document_chunks(self, doc_id: str) -> list[ChunkRecord]:
+    def document_chunks(self, collection: str, doc_id: str) -> list[ChunkRecord]:
         with self._connect() as conn:
             rows = conn.execute(
                 "SELECT chunk_id, position, text, num_tokens, start_char, end_char FROM chunks"
-                " WHERE doc_id = ? ORDER BY position",
-                (doc_id,),
+                " WHERE collection = ? AND doc_id = ? ORDER BY position",
+                (collection, doc_id),
             ).fetchall()
         return [ChunkRecord(*row) for row in rows]
 
-    def missing_documents(self, doc_ids: Sequence[str]) -> list[str]:
+    def collections(self) -> set[str]:
+        """The collections holding at least one document."""
+        with self._connect() as conn:
+            rows = conn.execute("SELECT DISTINCT collection FROM documents").fetchall()
+        return {r[0] for r in rows}
+
+    def missing_documents(
+        self, doc_ids: Sequence[str], collections: Sequence[str] | None = None
+    ) -> list[str]:
+        """The ids among `doc_ids` that no document of `collections` (None: any) has."""
+        scope, params = _collection_clause(collections)
         with self._connect() as conn:
             return [
                 d
                 for d in doc_ids
-                if conn.execute("SELECT 1 FROM documents WHERE doc_id = ?", (d,)).fetchone() is None
+                if conn.execute(
+                    f"SELECT 1 FROM documents WHERE doc_id = ?{scope} LIMIT 1", (d, *params)
+                ).fetchone()
+                is None
             ]
 
-    def counts(self) -> tuple[int, int]:
-        """(number of documents, number of chunks)."""
+    def counts(self, collection: str | None = None) -> tuple[int, int]:
+        """(number of documents, number of chunks), of one collection or of all."""
+        scope, params = _collection_clause(None if collection is None else [collection])
+        where = " WHERE 1 = 1" + scope
         with self._connect() as conn:
-            docs = conn.execute("SELECT COUNT(*) FROM documents").fetchone()[0]
-            chunks = conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+            docs = conn.execute(f"SELECT COUNT(*) FROM documents{where}", params).fetchone()[0]
+            chunks = conn.execute(f"SELECT COUNT(*) FROM chunks{where}", params).fetchone()[0]
         return int(docs), int(chunks)
 
-    def rowids(self, doc_ids: Sequence[str] | None = None) -> np.ndarray:
-        """Vector ids (chunk rowids) of the given documents, or of all chunks."""
+    def rowids(
+        self, collections: Sequence[str] | None = None, doc_ids: Sequence[str] | None = None
+    ) -> np.ndarray:
+        """Vector ids (chunk rowids) of the chunks in `collections` and of `doc_ids` (None:
+        no restriction on that side)."""
+        scope, params = _collection_clause(collections)
+        if doc_ids is not None:
+            scope += f" AND doc_id IN ({','.join('?' * len(doc_ids))})"
+            params = [*params, *doc_ids]
         with self._connect() as conn:
-            if doc_ids is None:
-                rows = conn.execute("SELECT id FROM chunks").fetchall()
-            else:
-                marks = ",".join("?" * len(doc_ids))
-                rows = conn.execute(
-                    f"SELECT id FROM chunks WHERE doc_id IN ({marks})", list(doc_ids)
-                ).fetchall()
+            rows = conn.execute(f"SELECT id FROM chunks WHERE 1 = 1{scope}", params).fetchall()
         return np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
 
     def embeddings(
@@ -234,13 +328,38 @@ class Catalog:
         marks = ",".join("?" * len(rowids))
         with self._connect() as conn:
             rows = conn.execute(
-                f"SELECT id, chunk_id, doc_id, text FROM chunks WHERE id IN ({marks})",
+                "SELECT id, chunk_id, collection, doc_id, text, num_tokens FROM chunks"
+                f" WHERE id IN ({marks})",
                 [int(r) for r in rowids],
             ).fetchall()
-        return {row[0]: ChunkHit(row[1], row[2], row[3]) for row in rows}
+        return {row[0]: ChunkHit(*row[1:]) for row in rows}
+
+    def bm25(
+        self,
+        match: str,
+        limit: int,
+        collections: Sequence[str] | None = None,
+        doc_ids: Sequence[str] | None = None,
+    ) -> list[tuple[int, float]]:
+        """(rowid, score) of the `limit` best chunks for an FTS5 `match` expression (built by
+        retriever.bm25.match_expression, never raw user text), best first. score = -bm25: FTS5's
+        BM25 is lower for better matches, negated so that higher is better, as for cosine."""
+        scope, params = _collection_clause(collections, "c.")
+        if doc_ids is not None:
+            scope += f" AND c.doc_id IN ({','.join('?' * len(doc_ids))})"
+            params = [*params, *doc_ids]
+        with self._connect() as conn:
+            rows = conn.execute(
+                f"SELECT c.id, bm25({FTS_TABLE}) AS s FROM {FTS_TABLE}"
+                f" JOIN chunks c ON c.id = {FTS_TABLE}.rowid"
+                f" WHERE {FTS_TABLE} MATCH ?{scope} ORDER BY s LIMIT ?",
+                [match, *params, limit],
+            ).fetchall()
+        return [(int(rowid), -float(score)) for rowid, score in rows]
 
     def put_document(
         self,
+        collection: str,
         doc_id: str,
         content_sha256: str,
         metadata: dict[str, Any],
@@ -249,14 +368,15 @@ class Catalog:
         vectors: np.ndarray,
     ) -> WriteResult:
         """Store a document with all its chunks in one transaction, replacing a document of
-        the same id; either all of it is committed or nothing."""
+        the same collection and id; either all of it is committed or nothing."""
         assert len(chunks) == len(vectors), "one vector per chunk"
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         with self._transaction() as conn:
-            removed = _delete(conn, doc_id)
+            removed = _delete(conn, collection, doc_id)
             conn.execute(
-                "INSERT INTO documents VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO documents VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
+                    collection,
                     doc_id,
                     content_sha256,
                     json.dumps(metadata),
@@ -269,9 +389,11 @@ class Catalog:
             added = []
             for chunk, vector in zip(chunks, vectors, strict=True):
                 cursor = conn.execute(
-                    "INSERT INTO chunks (doc_id, position, chunk_id, text, num_tokens,"
-                    " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO chunks (collection, doc_id, position, chunk_id, text,"
+                    " num_tokens, start_char, end_char, embedding)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
+                        collection,
                         doc_id,
                         chunk.position,
                         chunk.chunk_id,
@@ -286,32 +408,60 @@ class Catalog:
             generation = self._bump_generation(conn)
         return WriteResult(np.asarray(added, dtype=np.int64), removed, generation)
 
-    def update_metadata(self, doc_id: str, metadata: dict[str, Any]) -> None:
+    def update_metadata(self, collection: str, doc_id: str, metadata: dict[str, Any]) -> None:
         with self._transaction() as conn:
             conn.execute(
-                "UPDATE documents SET metadata = ? WHERE doc_id = ?", (json.dumps(metadata), doc_id)
+                "UPDATE documents SET metadata = ? WHERE collection = ? AND doc_id = ?",
+                (json.dumps(metadata), collection, doc_id),
             )
 
-    def delete_document(self, doc_id: str) -> WriteResult | None:
+    def delete_document(self, collection: str, doc_id: str) -> WriteResult | None:
         """Remove a document and its chunks in one transaction; None when it is unknown."""
         with self._transaction() as conn:
-            found = conn.execute("SELECT 1 FROM documents WHERE doc_id = ?", (doc_id,)).fetchone()
+            found = conn.execute(
+                "SELECT 1 FROM documents WHERE collection = ? AND doc_id = ?",
+                (collection, doc_id),
+            ).fetchone()
             if found is None:
                 return None
-            removed = _delete(conn, doc_id)
+            removed = _delete(conn, collection, doc_id)
             generation = self._bump_generation(conn)
         return WriteResult(np.zeros(0, dtype=np.int64), removed, generation)
 
 
-def _delete(conn: sqlite3.Connection, doc_id: str) -> np.ndarray:
-    rows = conn.execute("SELECT id FROM chunks WHERE doc_id = ?", (doc_id,)).fetchall()
-    conn.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
-    conn.execute("DELETE FROM documents WHERE doc_id = ?", (doc_id,))
+def _schema_version(conn: sqlite3.Connection) -> int | None:
+    """The stored schema version; None for a new, empty catalog."""
+    if not _has_table(conn, "meta"):
+        return None
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return None if row is None else int(row[0])
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    found = conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone()
+    return found is not None
+
+
+def _collection_clause(collections: Sequence[str] | None, table: str = "") -> tuple[str, list[str]]:
+    """An `AND collection IN (...)` clause and its parameters; nothing for None (all)."""
+    if collections is None:
+        return "", []
+    marks = ",".join("?" * len(collections))
+    return f" AND {table}collection IN ({marks})", list(collections)
+
+
+def _delete(conn: sqlite3.Connection, collection: str, doc_id: str) -> np.ndarray:
+    key = (collection, doc_id)
+    rows = conn.execute("SELECT id FROM chunks WHERE collection = ? AND doc_id = ?", key).fetchall()
+    conn.execute("DELETE FROM chunks WHERE collection = ? AND doc_id = ?", key)
+    conn.execute("DELETE FROM documents WHERE collection = ? AND doc_id = ?", key)
     return np.asarray([r[0] for r in rows], dtype=np.int64)
 
 
 def _document(row: tuple) -> DocumentRecord:
-    return DocumentRecord(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6])
+    return DocumentRecord(
+        row[0], row[1], row[2], json.loads(row[3]), row[4], row[5], row[6], row[7]
+    )
 
 
 def _unpack(rows: list[tuple[int, bytes]], dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_retriever(args: argparse.Namespace) -> int:
+    from retriever.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before the model and the worker threads allocate
     from retriever.api.main import create_app
 
     settings = settings_from_args(RetrieverSettings, args, "retriever")
@@ -113,7 +116,12 @@ def run_ingest(args: argparse.Namespace) -> int:
     import httpx
     from tqdm import tqdm
 
-    from retriever.extract import ExtractionError, UnsupportedFileTypeError, extract_text
+    from retriever.extract import (
+        ExtractionError,
+        ExtractionLimitError,
+        UnsupportedFileTypeError,
+        extract_text,
+    )
 
     try:
         extra_metadata = json.loads(args.metadata)
@@ -131,7 +139,12 @@ def run_ingest(args: argparse.Namespace) -> int:
             # contract {text, metadata, id} is all a gateway in between has to pass on.
             try:
                 extracted = extract_text(path.name, path.read_bytes())
-            except (UnsupportedFileTypeError, ExtractionError, OSError) as exc:
+            except (
+                UnsupportedFileTypeError,
+                ExtractionError,
+                ExtractionLimitError,
+                OSError,
+            ) as exc:
                 summary.failed.append((str(path), str(exc)))
                 continue
             if not extracted.text.strip():

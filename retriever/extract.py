@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+from retriever.settings import DEFAULT_MAX_DOCUMENT_CHARS
+
 SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf")
+# An HTML page may carry this many characters of markup per character of text it is allowed.
+HTML_MARKUP_FACTOR = 4
 # Tags whose text is never content a reader sees.
 _INVISIBLE_TAGS = ("script", "style", "noscript", "template", "head")
 # Block-level tags end a paragraph, so that chunking can break between them.
@@ -48,6 +52,11 @@ _BLOCK_TAGS = (
 
 class ExtractionError(ValueError):
     """The file's content could not be turned into text (bad encoding, broken PDF, ...)."""
+
+
+class ExtractionLimitError(ValueError):
+    """The file holds (or expands to) more text than max_document_chars, or a PDF stream
+    decompresses past pypdf's limits."""
 
 
 class UnsupportedFileTypeError(ValueError):
@@ -96,29 +105,48 @@ def html_to_text(html: str) -> tuple[str, dict[str, Any]]:
     return _normalise_whitespace(soup.get_text()), metadata
 
 
-def pdf_to_text(data: bytes, filename: str) -> tuple[str, dict[str, Any]]:
-    """Text of every page, pages separated by a blank line."""
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
+def _too_long(filename: str, max_chars: int) -> ExtractionLimitError:
+    return ExtractionLimitError(
+        f"{filename} holds more than max_document_chars ({max_chars}) characters of text"
+    )
 
+
+def pdf_to_text(data: bytes, filename: str, max_chars: int) -> tuple[str, dict[str, Any]]:
+    """Text of every page, pages separated by a blank line; stops with ExtractionLimitError
+    as soon as the text passes `max_chars`."""
+    from pypdf import PdfReader
+    from pypdf.errors import LimitReachedError
+
+    pages: list[str] = []
+    num_chars = 0
     try:
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted:
             raise ExtractionError(f"{filename} is an encrypted PDF")
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as exc:
-        if isinstance(exc, ExtractionError):
-            raise
+        for page in reader.pages:
+            pages.append(_normalise_whitespace(page.extract_text() or ""))
+            num_chars += len(pages[-1]) + 2
+            if num_chars > max_chars:
+                raise _too_long(filename, max_chars)
+    except (ExtractionError, ExtractionLimitError):
+        raise
+    except LimitReachedError as exc:
+        raise ExtractionLimitError(f"{filename} expands past a PDF size limit: {exc}") from exc
+    # A malformed PDF makes pypdf raise almost anything (KeyError, IndexError, RecursionError,
+    # zlib.error, ...): whatever it raises, the file is unreadable, never a server error.
+    except Exception as exc:
         raise ExtractionError(f"{filename} is not a readable PDF: {exc}") from exc
-    text = "\n\n".join(_normalise_whitespace(page) for page in pages)
-    return text.strip(), {"pages": len(pages)}
+    return "\n\n".join(pages).strip(), {"pages": len(pages)}
 
 
-def extract_text(filename: str, data: bytes) -> ExtractedDocument:
+def extract_text(
+    filename: str, data: bytes, max_chars: int = DEFAULT_MAX_DOCUMENT_CHARS
+) -> ExtractedDocument:
     """Text and metadata of one file, chosen by its suffix.
 
-    Raises UnsupportedFileTypeError for a suffix not in SUPPORTED_SUFFIXES and
-    ExtractionError when the content does not decode.
+    Raises UnsupportedFileTypeError for a suffix not in SUPPORTED_SUFFIXES, ExtractionError
+    when the content does not decode, and ExtractionLimitError when it holds more than
+    `max_chars` characters of text (HTML: of markup, at most HTML_MARKUP_FACTOR times that).
     """
     name = PurePath(filename).name
     suffix = PurePath(filename).suffix.lower()
@@ -129,10 +157,16 @@ def extract_text(filename: str, data: bytes) -> ExtractedDocument:
         )
     metadata: dict[str, Any] = {"filename": name}
     if suffix == ".pdf":
-        text, extra = pdf_to_text(data, name)
+        text, extra = pdf_to_text(data, name, max_chars)
     elif suffix in (".html", ".htm"):
-        text, extra = html_to_text(_decode_utf8(data, name))
+        html = _decode_utf8(data, name)
+        # Parsing costs time and memory by the markup's size, so it is bounded before parsing.
+        if len(html) > HTML_MARKUP_FACTOR * max_chars:
+            raise _too_long(name, max_chars)
+        text, extra = html_to_text(html)
     else:
         text, extra = _decode_utf8(data, name), {}
+    if len(text) > max_chars:
+        raise _too_long(name, max_chars)
     metadata.update(extra)
     return ExtractedDocument(text=text, metadata=metadata)

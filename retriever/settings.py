@@ -10,6 +10,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.auth import check_exposure
+from retriever.fusion import RetrievalMode
+
+DEFAULT_MAX_DOCUMENT_CHARS = 2_000_000
+
 
 class RetrieverSettings(BaseSettings):
     """Everything the retriever can be configured with; CLI flags override these."""
@@ -31,20 +36,62 @@ class RetrieverSettings(BaseSettings):
     )
     chunk_tokens: int = Field(512, ge=8, le=32768, description="tokens per chunk")
     chunk_overlap_tokens: int = Field(0, ge=0)
-    index: Literal["flat", "hnsw"] = Field("flat", description="FAISS index kind")
-    hnsw_m: int = Field(32, ge=4, le=256)
-    hnsw_ef_construction: int = Field(80, ge=8)
-    hnsw_ef_search: int = Field(128, ge=8)
+    index: Literal["flat", "hnsw", "ivf", "ivfpq"] = Field("flat", description="FAISS index kind")
+    hnsw_m: int = Field(32, ge=4, le=256, description="HNSW graph degree")
+    hnsw_ef_construction: int = Field(80, ge=8, description="HNSW build beam")
+    hnsw_ef_search: int | None = Field(
+        None,
+        ge=8,
+        description="HNSW search beam; unset: 1024 up to 100k vectors, doubled per tenfold beyond",
+    )
+    ivf_nlist: int = Field(1024, ge=1, le=1 << 20, description="IVF lists (k-means centroids)")
+    ivf_nprobe: int = Field(128, ge=1, description="IVF lists scanned per search")
+    ivf_train_min: int = Field(
+        0, ge=0, description="live vectors an IVF index holds (flat, exact) before it trains"
+    )
+    pq_m: int = Field(48, ge=1, description="IVF-PQ sub-quantizers (must divide the dimension)")
+    pq_bits: int = Field(8, ge=1, le=16, description="IVF-PQ bits per sub-quantizer code")
     max_top_k: int = Field(100, ge=1, le=10000, description="largest top_k a search may ask for")
     embed_batch_size: int = Field(32, ge=1)
-    max_upload_bytes: int = Field(50 * 1024 * 1024, ge=1)
+    max_upload_bytes: int = Field(
+        50 * 1024 * 1024, ge=1, description="largest body of POST /v1/documents (uploads)"
+    )
+    max_body_bytes: int = Field(1024 * 1024, ge=1, description="largest body of other requests")
+    # Both bound the CPU time one ingest may take (chunking, then embedding every chunk).
+    max_document_chars: int = Field(
+        DEFAULT_MAX_DOCUMENT_CHARS,
+        ge=1,
+        description="longest document text, after extraction from a file",
+    )
+    max_chunks_per_document: int = Field(
+        2_000, ge=1, description="most chunks one document may be split into"
+    )
+    internal_token: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="bearer token every request but /health and /metrics must carry; required "
+        "beyond loopback",
+    )
     # The FAISS file is a cache of the catalog; saving it after every write would rewrite
     # hundreds of MB per document on a large collection, so saves are batched.
     index_save_interval_s: float = Field(5.0, ge=0.0)
     device: str = "cpu"
+    # Chosen by bench/retrieval_quality.py (docs/retriever.md, "Hybrid retrieval").
+    retrieval: RetrievalMode = Field(
+        "hybrid", description="retrieval of a search that names none: dense, bm25 or hybrid"
+    )
+    rrf_k: float = Field(
+        60.0, gt=0, le=1e6, description="k of reciprocal rank fusion, 1 / (k + rank) (hybrid)"
+    )
 
     @model_validator(mode="after")
     def _overlap_below_chunk(self) -> RetrieverSettings:
         if self.chunk_overlap_tokens >= self.chunk_tokens:
             raise ValueError("chunk_overlap_tokens must be smaller than chunk_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> RetrieverSettings:
+        check_exposure("retriever", self.host, self.internal_token)
         return self

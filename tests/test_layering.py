@@ -1,5 +1,6 @@
-"""The layering, read from the imports: no service imports the command line (`ragblend`) or the
-demo, and `common` imports no service."""
+"""The layering, read from the imports: no service imports the command line (`ragblend`), the
+demo or the evaluation harness; `common` imports no service; the harness (`evaluation`) uses
+the services in process but not the command line or the demo."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVICES = ("engine", "kvstore", "retriever", "gateway")
 FORBIDDEN = {
-    **{package: {"ragblend", "demo"} for package in SERVICES},
-    "common": {"ragblend", "demo", *SERVICES},
+    **{package: {"ragblend", "demo", "evaluation"} for package in SERVICES},
+    "common": {"ragblend", "demo", "evaluation", *SERVICES},
+    "evaluation": {"ragblend", "demo"},
 }
 
 

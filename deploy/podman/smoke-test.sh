@@ -12,25 +12,18 @@ python=${PYTHON:-.venv/bin/python}
 export CONTAINERS_CONF="$repo/deploy/podman/containers.conf"
 # The tiny model's 1024 positions hold 2 chunks of 64 tokens plus the question.
 export RAGBLEND_ENGINE_MODEL=/models/tiny RAGBLEND_RETRIEVER_CHUNK_TOKENS=64
+# The secrets the compose file requires (no defaults), and an API key the query must carry.
+secret() { "$python" -c 'import secrets; print(secrets.token_hex(24))'; }
+export RAGBLEND_INTERNAL_TOKEN=$(secret) GRAFANA_ADMIN_PASSWORD=$(secret)
+export RAGBLEND_GATEWAY_API_KEYS=$(secret)
 mkdir -p "$work"
 log() { echo "test-deploy: $*" >&2; }
 
-missing=()
-for tool in podman runc podman-compose debootstrap; do
-    command -v "$tool" >/dev/null || missing+=("$tool")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    log "installing podman, runc, podman-compose, debootstrap"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq podman runc podman-compose debootstrap >/dev/null
-fi
+scripts/system-deps.sh deploy
 
-for port in 8000 8001 8002; do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-        log "port $port is in use; the compose file publishes it"; exit 1
-    fi
-done
+if (exec 3<>"/dev/tcp/127.0.0.1/8000") 2>/dev/null; then
+    log "port 8000 is in use; the compose file publishes the gateway there"; exit 1
+fi
 
 if ! podman image exists "$base"; then
     log "building the base image $base with debootstrap (a few minutes, once)"
@@ -47,7 +40,10 @@ log "wheelhouse and build context"
 "$python" - "$work/requirements.txt" <<'PY'
 import sys, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-open(sys.argv[1], "w").write("\n".join(deps + ["setuptools>=69", "wheel"]) + "\n")
+# pip download evaluates environment markers for this interpreter, not the image's Python
+# (3.11.2): redis needs async-timeout below 3.11.3, so it is asked for by name.
+extra = ["setuptools>=69", "wheel", "async-timeout>=4.0.3"]
+open(sys.argv[1], "w").write("\n".join(deps + extra) + "\n")
 PY
 "$python" -m pip download -q -d "$work/wheels" --only-binary=:all: --python-version 3.11 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -101,13 +97,22 @@ cp -r "$work/tiny" "$volume/tiny" && chown -R 10001:10001 "$volume"
 log "podman-compose up retriever engine gateway"
 "${compose[@]}" up -d retriever engine gateway >"$work/compose-up.log" 2>&1 \
     || { cat "$work/compose-up.log" >&2; exit 1; }
+# podman-compose exits 0 even when `podman run` failed: check that each container exists.
+for name in retriever engine gateway; do
+    podman container exists "${project}_${name}_1" \
+        || { cat "$work/compose-up.log" >&2; log "the $name container was not created"; exit 1; }
+done
 
 log "a document and a query through the gateway"
 "$python" - <<'PY'
+import os
 import time
 import httpx
 
-gateway = httpx.Client(base_url="http://127.0.0.1:8000", timeout=120.0)
+key = os.environ["RAGBLEND_GATEWAY_API_KEYS"]
+gateway = httpx.Client(
+    base_url="http://127.0.0.1:8000", timeout=120.0, headers={"Authorization": f"Bearer {key}"}
+)
 deadline = time.monotonic() + 600
 while True:
     try:
@@ -133,6 +138,12 @@ metrics = gateway.get("/metrics").text
 assert "ragblend_gateway_ttft_seconds_count" in metrics
 print("test-deploy: the gateway answered:", repr(body["answer"]), "via", body["engine"])
 PY
+# Only the gateway is published (on 127.0.0.1): the others answer inside the network only.
+for name in retriever engine; do
+    [ -z "$(podman port "${project}_${name}_1")" ] || { log "$name is published"; exit 1; }
+done
+[ "$(podman port "${project}_gateway_1")" = "8000/tcp -> 127.0.0.1:8000" ] \
+    || { log "the gateway is not published on 127.0.0.1:8000 only"; exit 1; }
 for name in retriever engine gateway; do
     user=$(podman exec "${project}_${name}_1" id -u)
     [ "$user" != 0 ] || { log "$name runs as root"; exit 1; }

@@ -1,7 +1,9 @@
-"""Dependencies of the engine routes: the Engine and its metrics, built once at startup."""
+"""Dependencies of the engine routes: the Engine and its metrics, built once at startup, and
+the text length limit of every route."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
@@ -24,6 +26,15 @@ def get_metrics(request: Request) -> EngineMetrics:
 
 def get_settings(request: Request) -> EngineSettings:
     return request.app.state.settings
+
+
+def check_text_limits(texts: Iterable[tuple[str, str]], max_chars: int) -> None:
+    """422 naming the first text longer than `max_chars` characters."""
+    for field, text in texts:
+        if len(text) > max_chars:
+            raise HTTPException(
+                422, detail=f"{field}: {len(text)} characters, above the limit of {max_chars}"
+            )
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

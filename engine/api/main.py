@@ -6,18 +6,38 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
-from common.errors import install_error_handlers
+from common.auth import InternalTokenMiddleware
+from common.errors import error_response, install_error_handlers
+from common.limits import BodySizeLimitMiddleware
 from common.request_id import RequestIdMiddleware
+from common.requests import RequestGuardMiddleware
 from engine.api.metrics import EngineMetrics
 from engine.api.routes import generate, health, precompute
 from engine.api.settings import GIB, EngineSettings
 from engine.engine import Engine
 from engine.model import load_model
+from engine.selection import Selection
+from engine.shadow import ShadowConfig
+from kvstore import tiers
+from kvstore.remote_tier import RemoteTier
 from kvstore.store import KVStore, KVStoreConfig
 
 log = logging.getLogger(__name__)
+
+
+def gpu_tier_bytes(settings: EngineSettings) -> int:
+    """The gpu tier's budget: the setting, or a share of the device memory free now (after
+    the model, before the KV pool takes half of what is left)."""
+    if settings.device != "cuda":
+        return 0
+    if settings.gpu_tier_gb is not None:
+        return int(settings.gpu_tier_gb * GIB)
+    free, _ = torch.cuda.mem_get_info()
+    return int(free * settings.gpu_tier_share)
 
 
 def build_engine(settings: EngineSettings) -> Engine:
@@ -30,12 +50,23 @@ def build_engine(settings: EngineSettings) -> Engine:
             ssd_budget_bytes=int(settings.ssd_budget_gb * GIB),
             pin_memory=settings.device == "cuda",
             lookahead=settings.lookahead,
+            gpu_budget_bytes=gpu_tier_bytes(settings),
+            device=str(loaded.device),
+            ssd_encoding=settings.kv_encoding,
+            remote_url=settings.remote_url,
+            remote_timeout_s=settings.remote_timeout_s,
         )
     )
+    remote = store.tier(tiers.REMOTE)
+    if isinstance(remote, RemoteTier):
+        # A Redis down now does not stop the engine: the tier says unreachable and retries.
+        up = remote.ping()
+        log.info("remote KV tier %s: %s", remote.url, "ok" if up else remote.last_error)
     return Engine(
         loaded,
         store,
         check_layers=tuple(settings.check_layers),
+        selection=Selection(settings.selection),
         recompute_ratio=settings.recompute_ratio,
         min_recompute_ratio=settings.min_recompute_ratio,
         system_prompt=settings.system_prompt,
@@ -44,6 +75,13 @@ def build_engine(settings: EngineSettings) -> Engine:
         max_model_len=settings.max_model_len,
         kv_pool_bytes=None if settings.kv_pool_gb is None else int(settings.kv_pool_gb * GIB),
         max_prefill_tokens=settings.max_prefill_tokens,
+        shadow=ShadowConfig(
+            fraction=settings.shadow_fraction,
+            max_tokens=settings.shadow_max_tokens,
+            top_k=settings.shadow_top_k,
+            max_queue=settings.shadow_max_queue,
+            max_share=settings.shadow_max_share,
+        ),
     )
 
 
@@ -65,6 +103,18 @@ def create_app(settings: EngineSettings) -> FastAPI:
     app.state.engine = None
 
     install_error_handlers(app)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Runs outside the request-id middleware; the message may hold internal paths, so it
+        # goes to the log only.
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal error (see the engine log)")
+
+    # The last added runs first: the request id, then the token, the guard and the size limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestGuardMiddleware)
+    app.add_middleware(InternalTokenMiddleware, token=settings.internal_token)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(generate.router)
     app.include_router(precompute.router)

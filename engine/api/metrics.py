@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.engine import StepRecord
+from engine.shadow import SAMPLED_MODES, ShadowReport
 from engine.types import GenerateResult, Mode
+from kvstore import tiers
+from kvstore.remote_tier import RemoteTier
+from kvstore.types import TierStats
 
 # vLLM's time-to-first-token buckets.
 TTFT_BUCKETS = (
@@ -38,10 +42,32 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+# One Redis operation: a loopback round trip (~0.1 ms) up to the tier's timeout (0.5 s default).
+REMOTE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+# Shares in [0, 1]; top-k agreement with the default k = 5 moves in steps of 0.2.
+AGREEMENT_BUCKETS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 0.9, 0.95, 0.99, 1.0)
+# KL divergence in nats: ~1e-7 is float rounding of an exact blend, ~1 a different answer.
+KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
 class EngineMetrics:
     def __init__(self, engine):
+        self.engine = engine
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -69,8 +95,13 @@ class EngineMetrics:
         )
         self.kv_lookups = Counter(
             "ragblend_engine_kv_lookups",
-            "Chunk KV lookups, by tier and result",
+            "Chunk KV lookups, by tier and result (tiers are asked fastest first until a hit)",
             ["tier", "result"],
+            registry=r,
+        )
+        self.kv_chunks = Counter(
+            "ragblend_engine_kv_chunks",
+            "Chunks whose KV was looked up (the denominator of the hit rate)",
             registry=r,
         )
         self.recomputed_tokens = Counter(
@@ -143,8 +174,55 @@ class EngineMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.remote_seconds = Histogram(
+            "ragblend_engine_remote_seconds",
+            "Latency of one Redis operation of the remote KV tier, by operation (exists, get, "
+            "put, delete, ping); a skipped one (Redis unreachable, backing off) is not observed",
+            ["op"],
+            buckets=REMOTE_BUCKETS,
+            registry=r,
+        )
+        self.shadow_topk = Histogram(
+            "ragblend_engine_shadow_topk_agreement",
+            "Shadow checks: share of the top-k first tokens of full prefill the blend also has",
+            ["mode"],
+            buckets=AGREEMENT_BUCKETS,
+            registry=r,
+        )
+        self.shadow_kl = Histogram(
+            "ragblend_engine_shadow_kl_divergence",
+            "Shadow checks: KL(full prefill || blend) of the first-token distributions, in nats",
+            ["mode"],
+            buckets=KL_BUCKETS,
+            registry=r,
+        )
+        self.shadow_greedy = Histogram(
+            "ragblend_engine_shadow_greedy_agreement",
+            "Shadow checks of greedy requests: agreeing prefix of the greedy continuations, as a "
+            "share of the tokens compared",
+            ["mode"],
+            buckets=AGREEMENT_BUCKETS,
+            registry=r,
+        )
+        for mode in SAMPLED_MODES:  # zero series from the start
+            for histogram in (self.shadow_topk, self.shadow_kl, self.shadow_greedy):
+                histogram.labels(mode.value)
+        engine.shadow.add_listener(self.observe_shadow)
+        remote = engine.store.tier(tiers.REMOTE)
+        if isinstance(remote, RemoteTier):
+            remote.add_latency_listener(self.observe_remote)
         r.register(_LiveState(engine))
         engine.add_step_listener(self.observe_step)
+
+    def observe_remote(self, op: str, seconds: float) -> None:
+        self.remote_seconds.labels(op).observe(seconds)
+
+    def observe_shadow(self, report: ShadowReport) -> None:
+        mode = report.mode.value
+        self.shadow_topk.labels(mode).observe(report.topk_agreement)
+        self.shadow_kl.labels(mode).observe(report.kl_divergence)
+        if report.greedy_agreement is not None:
+            self.shadow_greedy.labels(mode).observe(report.greedy_agreement)
 
     def observe_step(self, step: StepRecord) -> None:
         kind = "prefill" if step.is_prefill else "decode"
@@ -174,10 +252,14 @@ class EngineMetrics:
             by_tier = result.load_bytes_by_tier
             busiest_tier = max(by_tier, key=lambda tier: by_tier[tier])
             self.kv_load_seconds.labels(busiest_tier).observe(result.timings.kv_load_s)
+        names = [tier.name for tier in self.engine.store.tiers]
         for chunk_tier in result.chunk_tiers:
-            self.kv_lookups.labels("memory", "hit" if chunk_tier == "memory" else "miss").inc()
-            if chunk_tier != "memory":
-                self.kv_lookups.labels("ssd", "hit" if chunk_tier == "ssd" else "miss").inc()
+            self.kv_chunks.inc()
+            for name in names:
+                hit = chunk_tier == name
+                self.kv_lookups.labels(name, "hit" if hit else "miss").inc()
+                if hit:
+                    break
 
 
 class _LiveState:
@@ -215,9 +297,78 @@ class _LiveState:
             "Bad KV entries found (deleted, recomputed), by tier",
             labels=["tier"],
         )
-        for name, tier in (("memory", stats.memory), ("ssd", stats.ssd)):
-            if tier is not None:
+        for name, tier in stats.tiers.items():
+            if tier.entries is not None:  # the remote tier's are Redis's, unknown here
                 entries.add_metric([name], tier.entries)
+            if tier.bytes is not None:
                 size.add_metric([name], tier.bytes)
-                corrupt.add_metric([name], tier.corrupt)
+            corrupt.add_metric([name], tier.corrupt)
+        # Only the write-through to persistent tiers can fail (an in-memory put over budget
+        # is a skip, not a failure).
+        write_failures = CounterMetricFamily(
+            "ragblend_engine_kv_write_failures",
+            "KV entries whose write to a tier failed (e.g. disk full, Redis down), by tier",
+            labels=["tier"],
+        )
+        for name, count in stats.write_errors_by_tier.items():
+            write_failures.add_metric([name], count)
+        yield from self._remote(stats.tiers.get(tiers.REMOTE))
+        yield from self._shadow(engine)
+        queue_estimate = GaugeMetricFamily(
+            "ragblend_engine_queue_estimate_seconds",
+            "Expected wait before a request arriving now starts its prefill",
+        )
+        queue_estimate.add_metric([], engine.queue_estimate_s())
         yield from (running, waiting, background, pool_usage, pool_slots, entries, size, corrupt)
+        yield from (write_failures, queue_estimate)
+
+    @staticmethod
+    def _shadow(engine):
+        """The shadow checks' counts, kept by the engine (engine/shadow.py)."""
+        stats = engine.shadow.stats
+        checks = CounterMetricFamily(
+            "ragblend_engine_shadow_checks",
+            "Shadow checks done (a sampled request compared with full prefill), by mode",
+            labels=["mode"],
+        )
+        agreements = CounterMetricFamily(
+            "ragblend_engine_shadow_first_token_agreements",
+            "Shadow checks whose first token (argmax) was full prefill's, by mode",
+            labels=["mode"],
+        )
+        for mode in SAMPLED_MODES:
+            checks.add_metric([mode.value], stats.checks[mode])
+            agreements.add_metric([mode.value], stats.first_token_agreements[mode])
+        skipped = CounterMetricFamily(
+            "ragblend_engine_shadow_skipped",
+            "Sampled requests not checked, by reason (busy, queue_full, budget, preempted, error)",
+            labels=["reason"],
+        )
+        for reason, count in stats.skipped.items():
+            skipped.add_metric([reason], count)
+        seconds = CounterMetricFamily(
+            "ragblend_engine_shadow_seconds", "Compute time spent on shadow checks (idle time)"
+        )
+        seconds.add_metric([], stats.seconds)
+        pending = GaugeMetricFamily(
+            "ragblend_engine_shadow_pending", "Shadow checks queued or in progress"
+        )
+        pending.add_metric([], engine.shadow.pending)
+        yield from (checks, agreements, skipped, seconds, pending)
+
+    @staticmethod
+    def _remote(remote: TierStats | None):
+        """The remote tier's state, when there is one."""
+        if remote is None:
+            return
+        up = GaugeMetricFamily(
+            "ragblend_engine_remote_up",
+            "Whether the remote KV tier's Redis answered the last operation (0: backing off)",
+        )
+        up.add_metric([], 1 if remote.reachable else 0)
+        written = CounterMetricFamily(
+            "ragblend_engine_remote_written_bytes",
+            "Chunk KV bytes this engine wrote to the remote tier",
+        )
+        written.add_metric([], remote.bytes_written)
+        yield from (up, written)

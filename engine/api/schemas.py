@@ -2,49 +2,62 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.validation import Seed, Text
 from engine.types import Chunk, GenerateRequest, GenerateResult, Mode
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class ChunkIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, nor 0 False
 
-    id: str = Field(min_length=1, max_length=256)
-    text: str = Field(min_length=1)
+    id: Text = Field(min_length=1, max_length=256)
+    # Capped by the max_text_chars setting, checked at the route.
+    text: Text = Field(min_length=1)
 
 
 class PrecomputeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, nor 0 False
 
     chunks: list[ChunkIn] = Field(max_length=10_000)
 
 
 class PrecomputeResponse(BaseModel):
-    stored: int
-    skipped: int
+    stored: int  # entries written to the store's last tier (SSD, else memory)
+    skipped: int  # already stored
+    failed: int  # computed but not written (e.g. the disk is full): memory-only at best
     bytes: int
 
 
 class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, nor 0 False
 
-    system: str | None = None
+    # question, system and chunk texts: capped by the max_text_chars setting at the route.
+    system: Text | None = None
     chunks: list[ChunkIn] = Field(default_factory=list, max_length=1_000)
-    question: str = Field(min_length=1)
+    question: Text = Field(min_length=1)
     mode: ModeName = "cacheblend"
-    recompute_ratio: float | None = Field(None, ge=0, le=1)
+    recompute_ratio: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0, le=10)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: list[str] | str | None = None
+    temperature: float = Field(0.0, ge=0, le=10, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: Seed | None = None
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = None
     ignore_eos: bool = False
     stream: bool = False
+    fit_context: bool = False
+
+    def texts(self) -> list[tuple[str, str]]:
+        """(field name, text) of every free text, for the length limit."""
+        named = [("question", self.question), ("system", self.system or "")]
+        return named + [(f"chunks.{i}.text", c.text) for i, c in enumerate(self.chunks)]
 
     def to_request(self) -> GenerateRequest:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -60,6 +73,7 @@ class GenerateBody(BaseModel):
             seed=self.seed,
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
+            fit_context=self.fit_context,
         )
 
 
@@ -105,6 +119,7 @@ class GenerateResponse(BaseModel):
     timings: TimingsOut
     blend: BlendOut
     chunk_tiers: list[str | None]
+    dropped_chunks: int  # dropped from the end by fit_context; 0 without it
 
     @classmethod
     def from_result(cls, result: GenerateResult) -> GenerateResponse:
@@ -117,4 +132,33 @@ class GenerateResponse(BaseModel):
             ),
             blend=BlendOut(**vars(result.blend)),
             chunk_tiers=result.chunk_tiers,
+            dropped_chunks=result.dropped_chunks,
         )
+
+
+class ErrorOut(BaseModel):
+    """The one error body of every service (common.errors)."""
+
+    detail: str
+    errors: list[dict[str, Any]]
+
+
+_STATUS_MEANING = {
+    400: "body is not UTF-8",
+    401: "missing or wrong internal token",
+    403: "a cross-site Origin",
+    413: "body larger than max_body_bytes",
+    415: "body not JSON",
+    422: "invalid request (the detail names the field)",
+    429: "queue and KV pool full; see Retry-After",
+    499: "the client disconnected",
+    500: "internal error (logged with the request id)",
+    503: "the model is not loaded",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses a route can return, in the one error body."""
+    return {
+        status: {"model": ErrorOut, "description": _STATUS_MEANING[status]} for status in statuses
+    }

@@ -6,16 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.auth import check_exposure
 from engine.types import DEFAULT_RECOMPUTE_RATIO
+from kvstore.codec import Encoding
+from kvstore.remote_tier import check_url
 
 GIB = 1024**3
+MIB = 1024**2
 
 
 class EngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="RAGBLEND_ENGINE_", protected_namespaces=())
+    # hide_input_in_errors: an invalid setting is reported by name and reason, never with its
+    # value, which may be a token or a Redis URL with a password.
+    model_config = SettingsConfigDict(
+        env_prefix="RAGBLEND_ENGINE_",
+        protected_namespaces=(),
+        populate_by_name=True,
+        hide_input_in_errors=True,
+    )
 
     model: str = Field(description="checkpoint directory or hub id in the local cache")
     device: Literal["cpu", "cuda"] = "cpu"
@@ -25,7 +36,34 @@ class EngineSettings(BaseSettings):
     store_path: Path | None = Field(Path("data/kv"), description="directory of the SSD tier")
     memory_budget_gb: float = Field(2.0, ge=0)
     ssd_budget_gb: float = Field(20.0, ge=0)
+    kv_encoding: Encoding = Field(
+        "int8",
+        description="how new SSD entries store KV: int8 or fp8 with per-channel scales (one "
+        "byte per value, dequantized on the device) or none (as computed); see docs/kvstore.md",
+    )
     lookahead: int = Field(2, ge=0, description="layers the KV loader runs ahead")
+    remote_url: str | None = Field(
+        None,
+        repr=False,
+        description="Redis of the remote KV tier every engine shares (redis://host:port/db or "
+        "rediss://; a password is never logged); none: no remote tier",
+    )
+    remote_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        le=30,
+        description="connect and read timeout of one Redis operation; a failure makes the "
+        "remote tier back off (1 s doubling to 30 s) and serve misses meanwhile",
+    )
+    gpu_tier_gb: float | None = Field(
+        None,
+        ge=0,
+        description="device-memory KV tier on CUDA (0: none); default: gpu_tier_share of the "
+        "free GPU memory. On the CPU, host memory plays this role",
+    )
+    gpu_tier_share: float = Field(
+        0.1, ge=0, le=0.5, description="share of the free GPU memory the gpu tier may use"
+    )
     queue_depth: int = Field(
         16, ge=0, description="requests that may wait beyond the free KV slots; then 429"
     )
@@ -55,8 +93,46 @@ class EngineSettings(BaseSettings):
         DEFAULT_RECOMPUTE_RATIO, ge=0, le=1, description="the controller's lowest ratio"
     )
     check_layers: list[int] = Field([1], description="check layers, e.g. 1 or 1,2,3")
+    selection: Literal["hkvd", "random"] = Field(
+        "hkvd",
+        description="tokens cacheblend recomputes: hkvd (largest KV deviation) or random of the "
+        "same budget, a research baseline that serving should not use",
+    )
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
     system_prompt: str | None = None
+    max_text_chars: int = Field(
+        400_000, ge=1, description="longest question, system prompt or chunk text, in characters"
+    )
+    max_body_bytes: int = Field(16 * MIB, ge=1, description="largest request body; then 413")
+    internal_token: str | None = Field(
+        None,
+        repr=False,
+        min_length=1,
+        # The engine's own variable, or the one every internal service shares.
+        validation_alias=AliasChoices("RAGBLEND_ENGINE_INTERNAL_TOKEN", "RAGBLEND_INTERNAL_TOKEN"),
+        description="bearer token every request but /health and /metrics must carry",
+    )
+    shadow_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of cacheblend and full_reuse requests checked against a full prefill "
+        "of the same prompt, on idle time only (0: off); see docs/engine.md#shadow-checks",
+    )
+    shadow_max_tokens: int = Field(
+        16, ge=1, le=256, description="greedy tokens a shadow check compares"
+    )
+    shadow_top_k: int = Field(5, ge=1, le=100, description="k of the shadow's top-k agreement")
+    shadow_max_queue: int = Field(
+        4, ge=1, le=64, description="shadow checks pending at most; more are skipped"
+    )
+    shadow_max_share: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="shadow compute at most this share of the wall time since start; more "
+        "checks are skipped",
+    )
 
     @field_validator("check_layers")
     @classmethod
@@ -64,6 +140,16 @@ class EngineSettings(BaseSettings):
         if not value or min(value) < 0:
             raise ValueError("check_layers needs at least one layer index >= 0")
         return value
+
+    @field_validator("remote_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        return check_url(value) if value else None  # an empty variable means none
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> EngineSettings:
+        check_exposure("engine", self.host, self.internal_token)
+        return self
 
     @property
     def torch_dtype_name(self) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
@@ -15,17 +16,27 @@ from gateway.errors import (
     DependencyBusyError,
     DependencyFailedError,
     DependencyRejectedError,
+    DependencyTimeoutError,
     DependencyUnavailableError,
 )
 
+log = logging.getLogger(__name__)
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
+# A dependency's 4xx that is the client's problem too; any other means the gateway sent
+# something wrong, which is no client's fault.
+PASSED_ON = frozenset({400, 404, 413, 415, 422})
 
 
 def error_response(
@@ -68,7 +79,14 @@ def install(app: FastAPI) -> None:
     async def rejected(request: Request, exc: DependencyRejectedError) -> JSONResponse:
         # The dependency's 4xx is the client's problem too (a prompt too long for the model,
         # an unknown doc_id): same status, its detail prefixed with who said so.
+        if exc.status_code not in PASSED_ON:
+            log.error("%s", exc)
+            return error_response(request, 502, f"{exc.dependency} failed: unexpected answer")
         return error_response(request, exc.status_code, f"{exc.dependency}: {exc.detail}")
+
+    @app.exception_handler(DependencyTimeoutError)
+    async def timed_out(request: Request, exc: DependencyTimeoutError) -> JSONResponse:
+        return error_response(request, 504, str(exc))
 
     @app.exception_handler(DependencyFailedError)
     async def failed(request: Request, exc: DependencyFailedError) -> JSONResponse:

@@ -1,20 +1,23 @@
 """Pure ASGI middleware around every request: the X-Request-ID, admission control (429 when
-max_concurrency queries are in flight) and request metrics, all measured until the last byte
-of a streamed answer, which BaseHTTPMiddleware could not do."""
+max_concurrency queries are in flight), request metrics and the access log, all measured until
+the last byte of a streamed answer, which BaseHTTPMiddleware could not do."""
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.errors import error_body
+from common.errors import send_error
 from common.request_id import HEADER, request_id_of, request_id_var
 from gateway.metrics import GatewayMetrics
 
 # The routes that occupy an engine: only these count against max_concurrency.
 ADMITTED_PATHS = frozenset({"/v1/query", "/v1/chat/completions", "/v1/completions"})
+# One line per request once its last byte is sent (uvicorn's own access log, written when the
+# status goes out, is off: a stream that breaks off later would stay logged as a 200).
+access_log = logging.getLogger("gateway.access")
 
 
 class Admission:
@@ -78,29 +81,20 @@ class GatewayMiddleware:
                     self.admission.leave()
                     self.metrics.in_flight.dec()
         finally:
+            # A stream that failed after its 200 went out counts as the failure it was.
+            status = state.get("outcome_status", status)
             label = _route_label(scope, admitted)
             elapsed_s = time.perf_counter() - started
             self.metrics.requests.labels(label, scope["method"], str(status)).inc()
             self.metrics.request_seconds.labels(label, scope["method"], str(status)).observe(
                 elapsed_s
             )
+            _log_access(scope, status, elapsed_s)
             request_id_var.reset(token)
 
     async def _too_busy(self, send: Send) -> None:
         detail = f"gateway busy: {self.admission.limit} queries in flight (max_concurrency)"
-        body = json.dumps(error_body(detail)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 429,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(self.retry_after_s).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 429, detail, [(b"retry-after", str(self.retry_after_s).encode())])
 
 
 def _route_label(scope: Scope, admitted: bool) -> str:
@@ -109,3 +103,11 @@ def _route_label(scope: Scope, admitted: bool) -> str:
     if route is not None:
         return route.path
     return scope["path"] if admitted else "unmatched"
+
+
+def _log_access(scope: Scope, status: int, elapsed_s: float) -> None:
+    client = scope.get("client")
+    address = f"{client[0]}:{client[1]}" if client else "-"
+    query = scope.get("query_string", b"").decode("latin-1")
+    path = f"{scope['path']}?{query}" if query else scope["path"]
+    access_log.info('%s "%s %s" %d %.3fs', address, scope["method"], path, status, elapsed_s)

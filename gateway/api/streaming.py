@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 
 from fastapi import Request
 
+from gateway.errors import http_status
 from gateway.pipeline import Pipeline, TimedStream
 from gateway.types import EngineRequest, EngineResult
 
@@ -34,7 +35,16 @@ async def open_generation(
     except BaseException:
         await stack.aclose()
         raise
+    stack.callback(_record_failure, request, stream)
     return stream, stack
+
+
+def _record_failure(request: Request, stream: TimedStream) -> None:
+    """A stream that broke off after its 200 went out ends with an error event; the access
+    log and the request metrics count it by the status it would have had (GatewayMiddleware
+    reads `outcome_status`)."""
+    if stream.failure is not None:
+        request.state.outcome_status = http_status(stream.failure)
 
 
 async def collect_unless_disconnected(stream: TimedStream, request: Request) -> EngineResult | None:

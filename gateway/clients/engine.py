@@ -1,19 +1,24 @@
-"""Client of the engine pool: streamed generation on the engine chosen by rendezvous hashing
-of the chunk ids (failing over down the ranking), precompute and health per engine."""
+"""Client of the engine pool: a background poller of each engine's health, streamed generation
+on the healthy engine chosen by rendezvous hashing of the chunk ids (failing over to the next
+one before a first event arrives), precompute per engine."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.clients.upstream import REQUEST_ID_HEADER, Upstream
+from gateway.clients.upstream import NOT_SENT, REQUEST_ID_HEADER, Upstream
 from gateway.errors import (
     DependencyFailedError,
+    DependencyTimeoutError,
     DependencyUnavailableError,
     GatewayDependencyError,
 )
@@ -21,17 +26,70 @@ from gateway.routing import rank_engines
 from gateway.types import Delta, EngineRequest, EngineResult
 
 log = logging.getLogger(__name__)
+POLLER_REQUEST_ID = "health-poller"
+
+
+@dataclass
+class EngineState:
+    """What the poller knows of one engine; clients see only its `name`."""
+
+    name: str
+    url: str
+    healthy: bool = True  # until a probe says otherwise: a new gateway tries every engine
+    max_model_len: int | None = None
+    queue_estimate_s: float = 0.0
+    # The engine reads and writes a KV tier all engines share: one precompute serves them all.
+    shared_kv: bool = False
+    # Why it is down (an exception's class name or an HTTP status: never an address).
+    reason: str | None = None
+    changed_at: float = field(default_factory=time.monotonic)
+
+    def mark(self, healthy: bool, reason: str | None = None) -> None:
+        if healthy != self.healthy:
+            state = "healthy" if healthy else f"down: {reason}"
+            log.warning("%s (%s) is %s", self.name, self.url, state)
+            self.changed_at = time.monotonic()
+        self.healthy, self.reason = healthy, None if healthy else reason
+
+    def state(self) -> dict:
+        """What /ready shows of it."""
+        return {
+            "state": "up" if self.healthy else "down",
+            "reason": self.reason,
+            "for_s": round(time.monotonic() - self.changed_at, 1),
+            "shared_kv": self.shared_kv,
+            "queue_estimate_s": self.queue_estimate_s,
+        }
+
+    @property
+    def fits_context(self) -> bool:
+        # An engine that reports max_model_len knows fit_context; an older one would refuse
+        # the field (its body forbids unknown fields).
+        return self.max_model_len is not None
 
 
 class EngineStream:
-    """The engine's SSE answer: Delta per `event: delta`, one EngineResult from `event: result`."""
+    """The engine's SSE answer: Delta per `event: delta`, one EngineResult from `event: result`.
+    `first_event` waits for the first one, which `events` then yields again."""
 
-    def __init__(self, url: str, response: httpx.Response, upstream: Upstream):
-        self.url = url
+    def __init__(self, engine: EngineState, response: httpx.Response, upstream: Upstream):
+        self.engine = engine
         self.response = response
         self.upstream = upstream
+        self._events = self._parse()
+        self._first: Delta | EngineResult | None = None
+
+    async def first_event(self) -> Delta | EngineResult:
+        self._first = await anext(self._events)
+        return self._first
 
     async def events(self) -> AsyncIterator[Delta | EngineResult]:
+        if self._first is not None:
+            yield self._first
+        async for event in self._events:
+            yield event
+
+    async def _parse(self) -> AsyncIterator[Delta | EngineResult]:
         event, data = "message", []
         try:
             async for line in self.response.aiter_lines():
@@ -47,16 +105,17 @@ class EngineStream:
                         yield self._outcome(payload)
                         return
                     elif event == "error":
-                        self.upstream.on_error(self.upstream.name, "failed")
-                        raise DependencyFailedError(
-                            f"engine {self.url}", str(payload.get("detail"))
-                        )
+                        log.warning("%s (%s): %s", self.engine.name, self.engine.url, payload)
+                        raise self._failed("its generation failed")
                     event, data = "message", []
         except (httpx.TransportError, json.JSONDecodeError) as exc:
-            self.upstream.on_error(self.upstream.name, "failed")
-            raise DependencyFailedError(f"engine {self.url}", f"stream broke off: {exc}") from exc
+            log.warning("%s (%s) stream: %r", self.engine.name, self.engine.url, exc)
+            raise self._failed(f"stream broke off ({type(exc).__name__})") from exc
+        raise self._failed("stream ended without a result")
+
+    def _failed(self, detail: str) -> DependencyFailedError:
         self.upstream.on_error(self.upstream.name, "failed")
-        raise DependencyFailedError(f"engine {self.url}", "stream ended without a result")
+        return DependencyFailedError(self.engine.name, detail)
 
     def _outcome(self, payload: dict) -> EngineResult:
         return EngineResult(
@@ -65,9 +124,21 @@ class EngineStream:
             usage=payload["usage"],
             timings=payload["timings"],
             blend=payload["blend"],
-            engine_url=self.url,
+            engine=self.engine.name,
             chunk_tiers=payload.get("chunk_tiers", []),
+            dropped_chunks=int(payload.get("dropped_chunks", 0)),
         )
+
+
+class _Skipped(Exception):
+    """One engine failed before its first event: the request may go to the next one.
+    `worked`: the engine may have started on it (it took the request), so trying another one
+    spends the request's one retry."""
+
+    def __init__(self, kind: str, reason: str, *, worked: bool = True):
+        super().__init__(reason)
+        self.kind = kind  # unavailable | timeout | failed
+        self.worked = worked
 
 
 class EnginePool:
@@ -79,64 +150,114 @@ class EnginePool:
         connect_timeout_s: float,
         generate_timeout_s: float,
         precompute_timeout_s: float,
+        ttft_timeout_s: float,
+        health_interval_s: float,
+        health_timeout_s: float,
     ):
         self.upstream = upstream
-        self.urls = urls
+        self.engines = [EngineState(f"engine-{i}", url) for i, url in enumerate(urls)]
+        self._by_url = {e.url: e for e in self.engines}
         self.generate_timeout = httpx.Timeout(generate_timeout_s, connect=connect_timeout_s)
         self.precompute_timeout = httpx.Timeout(precompute_timeout_s, connect=connect_timeout_s)
-        self.health_timeout = httpx.Timeout(5.0, connect=connect_timeout_s)
+        self.ttft_timeout_s = ttft_timeout_s
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest context any engine reported (a request may land on any), or None."""
+        known = [e.max_model_len for e in self.engines if e.max_model_len is not None]
+        return min(known) if known else None
+
+    def candidates(self, chunk_ids: list[str]) -> list[EngineState]:
+        """The healthy engines, preferred first; every engine when none is known healthy (the
+        poller may not have seen one come back yet)."""
+        ranked = [self._by_url[url] for url in rank_engines(list(self._by_url), chunk_ids)]
+        return [e for e in ranked if e.healthy] or ranked
 
     @asynccontextmanager
     async def generate(
         self, generation: EngineRequest, *, request_id: str
     ) -> AsyncIterator[EngineStream]:
-        """Open a streamed generation on the first engine of the ranking that is up. A 429 or
-        422 of that engine is raised as is: the request reached it, so it is not re-sent.
-        Closing the stream early closes the connection, which cancels the engine's work."""
-        body = generation.engine_body()
-        failures = []
-        for url in rank_engines(self.urls, generation.chunk_ids):
-            request = self.upstream.client.build_request(
-                "POST",
-                f"{url}/v1/generate",
-                json=body,
-                headers={REQUEST_ID_HEADER: request_id},
-                timeout=self.generate_timeout,
-            )
+        """An engine stream whose first event has arrived. An engine that cannot be reached,
+        answers 503 or 5xx, breaks off, or sends no first event within ttft_timeout_s plus its
+        queue estimate is left (its work cancelled) for the next one in the ranking. The
+        request is retried once: a second engine that failed after taking it ends the
+        attempts, which bounds the client's wait to two deadlines and keeps a request that
+        breaks engines from going round the whole pool. Engines that refused the connection or
+        answered 503 never started on it and cost no retry. A 429 or 422 is raised as is: the
+        request reached the engine and would fare no better elsewhere. Leaving the context
+        closes the connection, which cancels the engine's work."""
+        failures: list[tuple[str, str]] = []
+        retried = False
+        for engine in self.candidates(generation.chunk_ids):
             try:
+                stream = await self._open(engine, generation, request_id)
+            except _Skipped as skipped:
+                self.upstream.on_error(self.upstream.name, skipped.kind)
+                failures.append((skipped.kind, f"{engine.name}: {skipped}"))
+                if skipped.worked and retried:
+                    log.warning(
+                        "%s (%s): %s; retried once already", engine.name, engine.url, skipped
+                    )
+                    break
+                retried = retried or skipped.worked
+                log.warning("%s (%s): %s; failing over", engine.name, engine.url, skipped)
+                continue
+            try:
+                yield stream
+            finally:
+                await stream.response.aclose()
+            return
+        raise _none_answered(failures)
+
+    async def _open(
+        self, engine: EngineState, generation: EngineRequest, request_id: str
+    ) -> EngineStream:
+        request = self.upstream.client.build_request(
+            "POST",
+            f"{engine.url}/v1/generate",
+            json=generation.engine_body(fit_context=engine.fits_context),
+            headers={REQUEST_ID_HEADER: request_id},
+            timeout=self.generate_timeout,
+        )
+        deadline_s = self.ttft_timeout_s + engine.queue_estimate_s
+        response: httpx.Response | None = None
+        opened = False
+        try:
+            async with asyncio.timeout(deadline_s):
                 response = await self.upstream.client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Not connected, so nothing was sent: safe to send to the next engine.
-                self.upstream.on_error(self.upstream.name, "unavailable")
-                failures.append(f"{url}: {type(exc).__name__}")
-                log.warning("engine %s is down (%s); failing over", url, exc)
-                continue
-            except httpx.TransportError as exc:
-                self.upstream.on_error(self.upstream.name, "unavailable")
-                raise DependencyUnavailableError(
-                    "engine", f"{url}: {type(exc).__name__} before its answer began"
-                ) from exc
-            if response.status_code == 503:  # up but its model is not loaded yet
-                await response.aclose()
-                self.upstream.on_error(self.upstream.name, "unavailable")
-                failures.append(f"{url}: HTTP 503")
-                continue
-            try:
+                if response.status_code >= 500:  # 503: its model is not loaded yet
+                    status = response.status_code
+                    raise _Skipped("unavailable", f"HTTP {status}", worked=status != 503)
                 if not response.is_success:
                     await response.aread()
                     self.upstream.check(response)
-                yield EngineStream(url, response, self.upstream)
-            finally:
+                stream = EngineStream(engine, response, self.upstream)
+                await stream.first_event()
+            opened = True
+            return stream
+        except TimeoutError:
+            # Stopped or stuck: out of the rotation until its next good health probe.
+            engine.mark(False, "no first event in time")
+            raise _Skipped("timeout", f"no first event within {deadline_s:.1f} s") from None
+        except NOT_SENT as exc:
+            engine.mark(False, type(exc).__name__)
+            raise _Skipped("unavailable", type(exc).__name__, worked=False) from exc
+        except httpx.TransportError as exc:
+            raise _Skipped("failed", f"{type(exc).__name__} before its answer") from exc
+        except DependencyFailedError as exc:
+            raise _Skipped("failed", exc.detail) from exc
+        finally:
+            if not opened and response is not None:
                 await response.aclose()
-            return
-        tried = "; ".join(failures)
-        raise DependencyUnavailableError("engine", f"no engine answered ({tried})")
 
-    async def precompute(self, url: str, chunks: list[dict], *, request_id: str) -> dict:
+    async def precompute(self, engine: EngineState, chunks: list[dict], *, request_id: str) -> dict:
         """Store the chunks' KV on one engine; idempotent (stored chunks are skipped)."""
         response = await self.upstream.request(
             "POST",
-            f"{url}/v1/precompute",
+            f"{engine.url}/v1/precompute",
             json={"chunks": chunks},
             request_id=request_id,
             timeout=self.precompute_timeout,
@@ -144,24 +265,66 @@ class EnginePool:
         )
         return response.json()
 
-    async def health(self, url: str, *, request_id: str) -> dict:
-        response = await self.upstream.request(
-            "GET",
-            f"{url}/health",
-            request_id=request_id,
-            timeout=self.health_timeout,
-            idempotent=False,
-        )
-        return response.json()
+    async def poll(self, engine: EngineState) -> None:
+        """One short /health probe; a probe that fails or is late marks the engine unhealthy."""
+        body: dict = {}
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                response = await self.upstream.client.get(
+                    f"{engine.url}/health",
+                    headers={REQUEST_ID_HEADER: POLLER_REQUEST_ID},
+                    timeout=httpx.Timeout(self.health_timeout_s),
+                )
+            healthy = response.status_code == 200
+            if healthy:
+                body = response.json()
+        except (TimeoutError, httpx.HTTPError, ValueError) as exc:
+            healthy, reason = False, type(exc).__name__
+        else:
+            reason = f"HTTP {response.status_code}"
+        engine.mark(healthy, reason)
+        if healthy:
+            max_model_len = body.get("max_model_len")
+            engine.max_model_len = max_model_len if isinstance(max_model_len, int) else None
+            estimate = body.get("queue_estimate_s")
+            engine.queue_estimate_s = float(estimate) if isinstance(estimate, int | float) else 0.0
+            # Absent (an engine without a remote tier, or an older one): not shared.
+            engine.shared_kv = body.get("shared_kv") is True
 
-    async def healthy_urls(self, *, request_id: str) -> list[str]:
-        """URLs of the engines whose /health answers 200, probed concurrently."""
+    @property
+    def shared_kv(self) -> bool:
+        """Every healthy engine (every engine when none is known healthy) shares one KV
+        tier, so a chunk precomputed on one of them is found by all."""
+        healthy = [e for e in self.engines if e.healthy] or self.engines
+        return all(e.shared_kv for e in healthy)
 
-        async def probe(url: str) -> str | None:
-            try:
-                await self.health(url, request_id=request_id)
-            except GatewayDependencyError:
-                return None
-            return url
+    async def poll_all(self) -> int:
+        """Probe every engine concurrently; the number healthy."""
+        await asyncio.gather(*(self.poll(e) for e in self.engines))
+        return sum(e.healthy for e in self.engines)
 
-        return [url for url in await asyncio.gather(*map(probe, self.urls)) if url]
+    async def start(self) -> None:
+        """A first round of probes (at most health_timeout_s), then the background poller."""
+        await self.poll_all()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.poll_all()
+
+
+def _none_answered(failures: list[tuple[str, str]]) -> GatewayDependencyError:
+    tried = "; ".join(reason for _, reason in failures)
+    kinds = {kind for kind, _ in failures}
+    if kinds == {"timeout"}:
+        return DependencyTimeoutError("engine", f"no engine answered in time ({tried})")
+    if "unavailable" in kinds:
+        return DependencyUnavailableError("engine", f"no engine answered ({tried})")
+    return DependencyFailedError("engine", f"every engine failed ({tried})")

@@ -1,4 +1,5 @@
-"""Client of the retriever service: search, document ingest/list/show/delete, health."""
+"""Client of the retriever service: search, document ingest/list/show/delete per collection,
+health."""
 
 from __future__ import annotations
 
@@ -20,41 +21,79 @@ class RetrieverClient:
         connect_timeout_s: float,
         search_timeout_s: float,
         ingest_timeout_s: float,
+        health_timeout_s: float,
     ):
         self.upstream = upstream
         self.base_url = base_url
+        self.search_timeout_s = search_timeout_s
         self.search_timeout = httpx.Timeout(search_timeout_s, connect=connect_timeout_s)
         self.ingest_timeout = httpx.Timeout(ingest_timeout_s, connect=connect_timeout_s)
+        self.health_timeout_s = health_timeout_s
 
     def _doc_url(self, doc_id: str) -> str:
-        # doc ids may hold '/', which the retriever routes with a path converter.
-        return f"{self.base_url}/v1/documents/{quote(doc_id, safe='/:@+')}"
+        # Every character quoted, '/' included: the retriever decodes the path before routing,
+        # and nothing in an id can make the URL name another route.
+        return f"{self.base_url}/v1/documents/{quote(doc_id, safe='')}"
 
-    async def search(
-        self, query: str, top_k: int, doc_ids: list[str] | None, *, request_id: str
-    ) -> list[Source]:
-        body: dict[str, Any] = {"query": query, "top_k": top_k}
-        if doc_ids:
-            body["doc_ids"] = doc_ids
+    async def _read(self, method: str, url: str, request_id: str, **kwargs: Any) -> dict:
+        """An idempotent call that a client waits on: bounded by the search timeout in all."""
         response = await self.upstream.request(
-            "POST",
-            f"{self.base_url}/v1/search",
-            json=body,
+            method,
+            url,
             request_id=request_id,
             timeout=self.search_timeout,
             idempotent=True,
+            total_timeout_s=self.search_timeout_s,
+            **kwargs,
         )
+        return response.json()
+
+    async def search(
+        self,
+        query: str,
+        top_k: int,
+        doc_ids: list[str] | None,
+        collections: list[str] | None,
+        *,
+        request_id: str,
+        retrieval: str | None = None,
+        hops: int = 1,
+    ) -> list[Source]:
+        """The top_k chunks, best first (with hops=2, up to top_k second-hop chunks after
+        them); `collections` None searches every collection, `retrieval` None in the
+        retriever's default mode."""
+        body: dict[str, Any] = {"query": query, "top_k": top_k}
+        if doc_ids:
+            body["doc_ids"] = doc_ids
+        if collections is not None:
+            body["collections"] = collections
+        # Sent only when asked for: a retriever without them still answers the defaults.
+        if retrieval is not None:
+            body["retrieval"] = retrieval
+        if hops != 1:
+            body["hops"] = hops
+        answer = await self._read("POST", f"{self.base_url}/v1/search", request_id, json=body)
         return [
-            Source(r["chunk_id"], r["doc_id"], float(r["score"]), r["text"])
-            for r in response.json()["results"]
+            Source(
+                r["chunk_id"],
+                r["doc_id"],
+                float(r["score"]),
+                r["text"],
+                r.get("collection"),
+            )
+            for r in answer["results"]
         ]
 
-    async def ingest(self, content: bytes, content_type: str, *, request_id: str) -> dict:
+    async def ingest(
+        self, content: bytes, content_type: str, collection: str, *, request_id: str
+    ) -> dict:
         """Forward a JSON or multipart body unchanged, so the gateway accepts exactly what the
-        retriever accepts; not retried (a replaced document must not be replaced twice)."""
+        retriever accepts; retried only when it was never sent (a replaced document must not
+        be replaced twice)."""
         response = await self.upstream.request(
             "POST",
             f"{self.base_url}/v1/documents",
+            params={"collection": collection},
             content=content,
             headers={"Content-Type": content_type},
             request_id=request_id,
@@ -63,45 +102,31 @@ class RetrieverClient:
         )
         return response.json()
 
-    async def list_documents(self, limit: int, offset: int, *, request_id: str) -> dict:
-        response = await self.upstream.request(
-            "GET",
-            f"{self.base_url}/v1/documents",
-            params={"limit": limit, "offset": offset},
-            request_id=request_id,
-            timeout=self.search_timeout,
-            idempotent=True,
-        )
-        return response.json()
+    async def list_documents(
+        self, collection: str, limit: int, offset: int, *, request_id: str
+    ) -> dict:
+        params = {"collection": collection, "limit": limit, "offset": offset}
+        return await self._read("GET", f"{self.base_url}/v1/documents", request_id, params=params)
 
-    async def get_document(self, doc_id: str, *, request_id: str) -> dict:
+    async def get_document(self, collection: str, doc_id: str, *, request_id: str) -> dict:
         """The document with its chunks (ids and text); DependencyRejectedError(404) when the
-        retriever does not know it."""
-        response = await self.upstream.request(
-            "GET",
-            self._doc_url(doc_id),
-            request_id=request_id,
-            timeout=self.search_timeout,
-            idempotent=True,
-        )
-        return response.json()
+        retriever does not know it in that collection."""
+        params = {"collection": collection}
+        return await self._read("GET", self._doc_url(doc_id), request_id, params=params)
 
-    async def delete_document(self, doc_id: str, *, request_id: str) -> dict:
-        response = await self.upstream.request(
-            "DELETE",
-            self._doc_url(doc_id),
-            request_id=request_id,
-            timeout=self.search_timeout,
-            idempotent=True,
-        )
-        return response.json()
+    async def delete_document(self, collection: str, doc_id: str, *, request_id: str) -> dict:
+        params = {"collection": collection}
+        return await self._read("DELETE", self._doc_url(doc_id), request_id, params=params)
 
     async def health(self, *, request_id: str) -> dict:
+        """One short probe, not retried: /ready must answer quickly whatever the retriever
+        does."""
         response = await self.upstream.request(
             "GET",
             f"{self.base_url}/health",
             request_id=request_id,
-            timeout=self.search_timeout,
+            timeout=httpx.Timeout(self.health_timeout_s),
             idempotent=False,
+            total_timeout_s=self.health_timeout_s,
         )
         return response.json()

@@ -1,5 +1,5 @@
-"""One dependency behind an httpx.AsyncClient: retries with backoff for idempotent calls and
-the mapping of its failures onto the gateway's named errors."""
+"""One dependency behind an httpx.AsyncClient: retries of the failures a retry can cure, a
+bound on the total wait, and the mapping of its failures onto the gateway's named errors."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from gateway.errors import (
     DependencyBusyError,
     DependencyFailedError,
     DependencyRejectedError,
+    DependencyTimeoutError,
     DependencyUnavailableError,
 )
 
 log = logging.getLogger(__name__)
-RETRYABLE_STATUS = frozenset({502, 503, 504})
+# A dependency restarting (502 from a proxy, 503 before its model is loaded): a retry may help.
+RETRYABLE_STATUS = frozenset({502, 503})
+# Nothing reached the dependency, so any call may be sent again.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 ErrorHook = Callable[[str, str], None]  # (dependency, kind) -> None, for metrics
 
@@ -41,8 +45,14 @@ def detail_of(response: httpx.Response) -> str:
     return str(detail)
 
 
+def auth_headers(internal_token: str | None) -> dict[str, str]:
+    """The headers every call to an internal service carries."""
+    return {} if internal_token is None else {"Authorization": f"Bearer {internal_token}"}
+
+
 class Upstream:
-    """Calls to one dependency named `name` (it names the dependency in every error)."""
+    """Calls to one dependency named `name` (it names the dependency in every error; URLs
+    appear only in the log)."""
 
     def __init__(
         self,
@@ -67,33 +77,68 @@ class Upstream:
         request_id: str,
         timeout: httpx.Timeout,
         idempotent: bool,
+        total_timeout_s: float | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """The 2xx response; raises a Dependency*Error otherwise. Only idempotent calls are
-        retried (transport errors and 502/503/504), with doubling backoff."""
+        """The 2xx response; raises a Dependency*Error otherwise. A call that never reached
+        the dependency is retried; an idempotent one also on 502/503 and on a connection that
+        broke; a read timeout never (the same wait would repeat). Retries included, the call
+        takes at most `total_timeout_s`."""
+        try:
+            async with asyncio.timeout(total_timeout_s):
+                return await self._with_retries(
+                    method, url, request_id, timeout, idempotent, kwargs
+                )
+        except TimeoutError:
+            self.on_error(self.name, "timeout")
+            log.warning("%s %s %s: no answer within %s s", self.name, method, url, total_timeout_s)
+            reason = f"no answer within {total_timeout_s} s"
+            raise DependencyTimeoutError(self.name, reason) from None
+
+    async def _with_retries(
+        self,
+        method: str,
+        url: str,
+        request_id: str,
+        timeout: httpx.Timeout,
+        idempotent: bool,
+        kwargs: dict[str, Any],
+    ) -> httpx.Response:
         headers = {**kwargs.pop("headers", {}), REQUEST_ID_HEADER: request_id}
-        tries = 1 + (self.retries if idempotent else 0)
-        for attempt in range(tries):
+        for attempt in range(1 + self.retries):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 response = await self.client.request(
                     method, url, headers=headers, timeout=timeout, **kwargs
                 )
+            except httpx.TimeoutException as exc:
+                if not isinstance(exc, httpx.ConnectTimeout):
+                    raise self.timed_out(method, url, exc) from exc
+                error: Exception = self.unavailable(method, url, exc)
+                retryable = True
             except httpx.TransportError as exc:
-                error: Exception = self.unavailable(exc)
+                error = self.unavailable(method, url, exc)
+                retryable = isinstance(exc, NOT_SENT) or idempotent
             else:
                 if response.status_code not in RETRYABLE_STATUS:
                     return self.check(response)
                 error = self.status_error(response)
-            if attempt + 1 < tries:
-                log.warning("%s %s %s failed (%s); retrying", self.name, method, url, error)
-        raise error
+                retryable = idempotent
+            if not retryable or attempt == self.retries:
+                raise error
+            log.warning("%s %s %s failed (%s); retrying", self.name, method, url, error)
+        raise AssertionError("the loop returns or raises")
 
-    def unavailable(self, exc: Exception) -> DependencyUnavailableError:
+    def timed_out(self, method: str, url: str, exc: Exception) -> DependencyTimeoutError:
+        self.on_error(self.name, "timeout")
+        log.warning("%s %s %s: %s", self.name, method, url, type(exc).__name__)
+        return DependencyTimeoutError(self.name, type(exc).__name__)
+
+    def unavailable(self, method: str, url: str, exc: Exception) -> DependencyUnavailableError:
         self.on_error(self.name, "unavailable")
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return DependencyUnavailableError(self.name, reason)
+        log.warning("%s %s %s: %s: %s", self.name, method, url, type(exc).__name__, exc)
+        return DependencyUnavailableError(self.name, type(exc).__name__)
 
     def check(self, response: httpx.Response) -> httpx.Response:
         if response.is_success:
@@ -109,8 +154,14 @@ class Upstream:
         if status == 503:
             self.on_error(self.name, "unavailable")
             return DependencyUnavailableError(self.name, f"HTTP 503: {detail}")
+        if status in (401, 403):
+            # The gateway's own credentials (internal_token) were refused: not the client's fault.
+            self.on_error(self.name, "failed")
+            log.error("%s refused the gateway's internal token (HTTP %d)", self.name, status)
+            return DependencyFailedError(self.name, "refused the gateway's credentials")
         if status < 500:
             self.on_error(self.name, "rejected")
             return DependencyRejectedError(self.name, status, detail)
         self.on_error(self.name, "failed")
-        return DependencyFailedError(self.name, f"HTTP {status}: {detail}")
+        log.warning("%s answered HTTP %d: %s", self.name, status, detail)
+        return DependencyFailedError(self.name, f"HTTP {status}")

@@ -11,14 +11,18 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from common.auth import InternalTokenMiddleware
 from common.errors import install_error_handlers
+from common.limits import BodySizeLimitMiddleware
 from common.request_id import RequestIdMiddleware
+from common.requests import RequestGuardMiddleware
 from retriever.api.routes import documents, health, search
 from retriever.metrics import RetrieverMetrics
 from retriever.service import RetrieverService
 from retriever.settings import RetrieverSettings
 
 logger = logging.getLogger(__name__)
+DOCUMENTS_PATH = "/v1/documents"
 
 
 async def _save_periodically(service: RetrieverService, interval_s: float) -> None:
@@ -48,6 +52,9 @@ def create_app(settings: RetrieverSettings | None = None) -> FastAPI:
                 saver.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await saver
+            # Reached after uvicorn's graceful wait: requests still embedding stop now, so
+            # the worker threads (which the interpreter waits for) end within a few batches.
+            service.stop_work()
             await run_in_threadpool(service.close)
             app.state.service = None
 
@@ -56,6 +63,15 @@ def create_app(settings: RetrieverSettings | None = None) -> FastAPI:
     app.state.metrics = RetrieverMetrics()
     app.state.service = None
     install_error_handlers(app)
+    # The last added runs first: the request id is set before any refusal is logged, and a
+    # request without the token is refused before its body is read or its type checked.
+    app.add_middleware(RequestGuardMiddleware, multipart_paths={DOCUMENTS_PATH})
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        path_limits={DOCUMENTS_PATH: settings.max_upload_bytes},
+    )
+    app.add_middleware(InternalTokenMiddleware, token=settings.internal_token)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(documents.router)
     app.include_router(search.router)

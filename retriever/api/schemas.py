@@ -3,11 +3,22 @@ per direction, converted at the routes into the domain's dataclasses."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
-DOC_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,199}$"
+from common.errors import error_body
+from common.validation import CollectionName, DocId, Text
+from retriever.fusion import RetrievalMode
+
+MAX_QUERY_CHARS = 100_000
+# Metadata travels with every listing and detail answer: kept small, as serialised JSON.
+MAX_METADATA_BYTES = 64 * 1024
+MAX_DOC_IDS = 1_000
+MAX_COLLECTIONS = 64
+MAX_TOP_K = 10_000  # the bound of the max_top_k setting; the setting is checked in the route
+MAX_OFFSET = 2**31
 
 
 def _not_blank(value: str, name: str) -> str:
@@ -16,14 +27,25 @@ def _not_blank(value: str, name: str) -> str:
     return value
 
 
+def _bounded_metadata(value: dict[str, Any]) -> dict[str, Any]:
+    """Metadata must come back out as JSON: finite numbers, encodable text, bounded size."""
+    try:
+        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
+    if len(encoded) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {len(encoded)} bytes as JSON, above {MAX_METADATA_BYTES}")
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_bounded_metadata)]
+
+
 class DocumentCreateRequest(BaseModel):
-    text: str = Field(description="The document's text; must not be blank.")
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    id: str | None = Field(
-        default=None,
-        pattern=DOC_ID_PATTERN,
-        description="doc_id; default: a content hash of the text",
-    )
+    # The length limit is the max_document_chars setting, checked before any work is done.
+    text: Text = Field(description="The document's text; must not be blank.")
+    metadata: Metadata = Field(default_factory=dict)
+    id: DocId | None = Field(default=None, description="doc_id; default: a content hash")
 
     @field_validator("text")
     @classmethod
@@ -32,6 +54,7 @@ class DocumentCreateRequest(BaseModel):
 
 
 class DocumentCreateResponse(BaseModel):
+    collection: str
     doc_id: str
     chunk_ids: list[str]
     status: Literal["created", "replaced", "unchanged"]
@@ -39,6 +62,7 @@ class DocumentCreateResponse(BaseModel):
 
 
 class DocumentSummary(BaseModel):
+    collection: str
     doc_id: str
     metadata: dict[str, Any]
     num_chunks: int
@@ -66,16 +90,40 @@ class DocumentDetailResponse(DocumentSummary):
 
 
 class DocumentDeleteResponse(BaseModel):
+    collection: str
     doc_id: str
     deleted_chunks: int
 
 
 class SearchRequest(BaseModel):
-    query: str
+    query: Text = Field(max_length=MAX_QUERY_CHARS, description="truncated to the model window")
     # The upper bound is a runtime setting (max_top_k), checked in the route.
-    top_k: int = Field(default=5, gt=0)
-    doc_ids: list[str] | None = Field(default=None, min_length=1)
-    min_score: float | None = Field(default=None, ge=-1.0, le=1.0)
+    top_k: int = Field(default=5, gt=0, le=MAX_TOP_K)
+    doc_ids: list[DocId] | None = Field(default=None, min_length=1, max_length=MAX_DOC_IDS)
+    min_score: float | None = Field(
+        default=None,
+        ge=-1.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="least cosine similarity of a result (dense and hybrid only)",
+    )
+    collections: list[CollectionName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_COLLECTIONS,
+        description="collections to search; None: all",
+    )
+    retrieval: RetrievalMode | None = Field(
+        default=None,
+        description="dense (embeddings), bm25 (full text) or hybrid (both, rank-fused); "
+        "None: the retriever's `retrieval` setting",
+    )
+    hops: int = Field(
+        default=1,
+        ge=1,
+        le=2,
+        description="2: up to top_k more chunks found by the names the first ones mention",
+    )
 
     @field_validator("query")
     @classmethod
@@ -85,9 +133,15 @@ class SearchRequest(BaseModel):
 
 class SearchResult(BaseModel):
     chunk_id: str
+    collection: str
     doc_id: str
-    score: float
+    score: float = Field(
+        description="dense: cosine similarity; bm25: -BM25 (higher is better); hybrid: "
+        "reciprocal rank fusion score"
+    )
     text: str
+    num_tokens: int
+    hop: int = Field(description="1: found by the query; 2: by a name in a first-hop chunk")
 
 
 class SearchResponse(BaseModel):
@@ -102,3 +156,33 @@ class HealthResponse(BaseModel):
     index_vectors: int
     embedding_model: str
     chunk_tokens: int
+
+
+class ErrorBody(BaseModel):
+    """The one error body of every service (common.errors)."""
+
+    detail: str
+    errors: list[dict[str, Any]]
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` declaring the error statuses a route may answer with."""
+    meaning = {
+        400: "malformed body (JSON that is not UTF-8, a broken multipart form)",
+        401: "missing or wrong internal token",
+        403: "request from a foreign Origin",
+        404: "unknown document",
+        413: "body or document above a size limit",
+        415: "content type (or uploaded file type) not accepted",
+        422: "invalid request",
+        503: "service not ready",
+    }
+    example = error_body("what is wrong")
+    return {
+        status: {
+            "model": ErrorBody,
+            "description": meaning[status],
+            "content": {"application/json": {"example": example}},
+        }
+        for status in statuses
+    }

@@ -41,7 +41,7 @@ def test_list_flags_take_comma_separated_values_of_the_item_type():
 
 def test_a_literal_setting_accepts_only_its_values():
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["retriever", "--index", "ivf"])
+        build_parser().parse_args(["retriever", "--index", "lsh"])
 
 
 def test_the_field_description_and_default_are_the_flag_help():

@@ -11,6 +11,9 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = REPO_ROOT / "docker-compose.yml"
+COMPOSE_OVERRIDES = REPO_ROOT / "deploy/compose"
+ENV_EXAMPLE = REPO_ROOT / ".env.example"
+SMOKE_TEST = REPO_ROOT / "deploy/podman/smoke-test.sh"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 PROMETHEUS_CONFIG = REPO_ROOT / "deploy/prometheus/prometheus.yml"
 ALERTS = REPO_ROOT / "deploy/prometheus/alerts.yml"
@@ -20,7 +23,17 @@ APP_SERVICES = ("retriever", "engine", "gateway")
 
 # What a dashboard variable stands for when every value is selected (the panels use =~).
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$instance": ".*", "$mode": ".*"}
-_DEFAULTED = re.compile(r"^\$\{[A-Z0-9_]+:-(.*)\}$")
+# ${NAME}, ${NAME:-default}, ${NAME:?error}: the interpolations the compose files use.
+_VARIABLE = re.compile(r"\$\{([A-Z0-9_]+)(?::([-?])([^}]*))?\}")
+# The secrets that the compose file requires, as the tests' shell sets them.
+COMPOSE_ENV = {
+    "RAGBLEND_INTERNAL_TOKEN": "test-internal-token",
+    "GRAFANA_ADMIN_PASSWORD": "test-grafana-password",
+}
+
+
+class MissingVariable(KeyError):
+    """A ${NAME:?error} variable is unset or empty: compose refuses to start."""
 
 
 def load_yaml(path: Path) -> dict:
@@ -40,11 +53,23 @@ def ragblend_services() -> dict[str, dict]:
     }
 
 
-def compose_value(value: object) -> str:
-    """A compose environment value as the container sees it when the shell sets nothing."""
-    text = str(value)
-    match = _DEFAULTED.match(text)
-    return match.group(1) if match else text
+def compose_value(value: object, env: dict[str, str] = COMPOSE_ENV) -> str:
+    """A compose value as the container sees it when the shell's variables are `env`."""
+
+    def substitute(match: re.Match) -> str:
+        name, kind, argument = match.groups()
+        if env.get(name):
+            return env[name]
+        if kind == "?":
+            raise MissingVariable(f"{name}: {argument}")
+        return argument if kind == "-" else env.get(name, "")
+
+    return _VARIABLE.sub(substitute, str(value))
+
+
+def compose_variables(path: Path = COMPOSE) -> dict[str, str | None]:
+    """Every variable a compose file reads -> "-" (has a default), "?" (required) or None."""
+    return {name: kind or None for name, kind, _ in _VARIABLE.findall(path.read_text())}
 
 
 def dockerfile_env() -> dict[str, str]:

@@ -42,7 +42,12 @@ def stack(checkpoint_dir, tmp_path_factory) -> Iterator[dict[str, Service]]:
         "engine",
         ["--model", model, "--store-path", str(tmp_path_factory.mktemp("kv"))],
         logs / "engine.log",
-        env={"RAGBLEND_ENGINE_MAX_TOKENS_LIMIT": ENGINE_MAX_TOKENS},
+        # Every blended request shadow-checked, so the shadow panels have data.
+        env={
+            "RAGBLEND_ENGINE_MAX_TOKENS_LIMIT": ENGINE_MAX_TOKENS,
+            "RAGBLEND_ENGINE_SHADOW_FRACTION": "1.0",
+            "RAGBLEND_ENGINE_SHADOW_MAX_SHARE": "1.0",
+        },
     )
     started = []
     try:

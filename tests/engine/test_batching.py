@@ -4,6 +4,8 @@ with mixed prompt lengths and modes, and sequences joining and leaving between s
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -118,3 +120,32 @@ def test_a_prompt_longer_than_a_slot_is_refused_before_queueing(engine_for):
     with pytest.raises(ValueError, match="maximum of"):
         engine.generate(too_long)
     assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+def test_the_streams_of_one_prefill_step_are_opened_together_so_the_next_is_prefetched(
+    engine_for, make_chunks
+):
+    engine = engine_for("llama")
+    chunks = make_chunks(4, seed=24)
+    engine.precompute(chunks)
+    requests = [request(chunks[:2], recompute_ratio=0.5), request(chunks[2:], recompute_ratio=0.5)]
+    alone = [engine.generate(r).token_ids for r in requests]
+    release = threading.Event()
+    engine.worker.submit(release.wait)  # holds the worker so both requests join one step
+    results: list = [None, None]
+
+    def run(index: int) -> None:
+        results[index] = engine.generate(requests[index])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    while engine.num_waiting < 2:
+        time.sleep(0.001)
+    release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [r.token_ids for r in results] == alone
+    # The second prompt's first layers were loaded before its own prefill began.
+    second = [t.load_start_s for t in results[1].layers if t.load_start_s is not None]
+    assert second and min(second) < 0

@@ -9,8 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from demo.tiny import FAMILIES
+from engine.engine import Engine
 from engine.plan import ChunkSource
 from engine.prompt import PromptLayout
+from engine.selection import Selection
 from engine.types import GenerateRequest, Mode
 from tests.engine.hf_reference import cache_keyword
 from tests.kvstore.kv_testutil import read_entry
@@ -199,7 +201,8 @@ def test_selection_recomputes_the_budgeted_number_of_tokens(engine_for, make_chu
     num_chunk_tokens = sum(length for _, length in prefill.layout.chunk_spans)
     expected = -(-15 * num_chunk_tokens // 100)
     assert prefill.usage.recomputed_tokens == expected
-    assert prefill.usage.cached_tokens == prefill.plan.prefix_len + num_chunk_tokens - expected
+    prefix_cached = prefill.plan.prefix_len if prefill.plan.prefix_cached else 0
+    assert prefill.usage.cached_tokens == prefix_cached + num_chunk_tokens - expected
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -255,3 +258,95 @@ def test_empty_chunk_list_is_a_plain_prefill(engine_for):
     logits, _ = hf_forward(engine, prefill.layout.token_ids)
     torch.testing.assert_close(prefill.output.logits, logits, rtol=RTOL, atol=ATOL)
     assert engine.generate(request(())).usage.completion_tokens >= 1
+
+
+@pytest.fixture(scope="module")
+def random_engine_for(checkpoint_dir):
+    """Engines that recompute a seeded random pick instead of the HKVD tokens."""
+    engines: dict[tuple[str, tuple[int, ...]], Engine] = {}
+
+    def get(family: str, check_layers: tuple[int, ...] = (1,)) -> Engine:
+        if (family, check_layers) not in engines:
+            engines[(family, check_layers)] = Engine.from_pretrained(
+                checkpoint_dir(family), check_layers=check_layers, selection=Selection.RANDOM
+            )
+        return engines[(family, check_layers)]
+
+    yield get
+    for engine in engines.values():
+        engine.close()
+
+
+def recomputed_positions(engine, prefill) -> list[int]:
+    """Blended chunk positions whose last-layer values differ from the chunk's cached values:
+    the tokens recomputed through the last layer (the others keep the cached values as is)."""
+    positions = []
+    for tokens, (start, length) in zip(
+        prefill.layout.chunks, prefill.layout.chunk_spans, strict=True
+    ):
+        cached = read_entry(engine.store, engine.chunk_key(tokens)).values[-1]
+        blended = prefill.output.values[-1][:, start : start + length]
+        changed = (blended != cached).any(dim=(0, 2))
+        positions += [start + int(i) for i in changed.nonzero()[:, 0]]
+    return positions
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("check_layers", [(1,), (1, 2, 3)])
+def test_random_selection_at_ratio_one_equals_full_prefill(
+    random_engine_for, make_chunks, family, check_layers
+):
+    engine = random_engine_for(family, check_layers)
+    chunks = make_chunks(3, seed=43)
+    engine.precompute(chunks)
+    full = engine.prefill(request(chunks, mode=Mode.FULL_PREFILL)).output
+    blended = engine.prefill(request(chunks, recompute_ratio=1.0))
+    assert blended.plan.selection is Selection.RANDOM
+    torch.testing.assert_close(blended.output.logits, full.logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(blended.output.keys, full.keys, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(blended.output.values, full.values, rtol=RTOL, atol=ATOL)
+
+
+# Not (1, 2, 3): on these 4-layer models the last layer would itself be a check layer, whose
+# K/V is computed for the wider selection before narrowing.
+@pytest.mark.parametrize("check_layers", [(1,), (1, 2)])
+def test_random_selection_recomputes_exactly_the_budget(
+    random_engine_for, make_chunks, check_layers
+):
+    engine = random_engine_for("llama", check_layers)
+    chunks = make_chunks(4, seed=47)
+    engine.precompute(chunks)
+    prefill = engine.prefill(request(chunks, recompute_ratio=0.1))
+    budget = -(-sum(length for _, length in prefill.layout.chunk_spans) // 10)
+    assert prefill.usage.recomputed_tokens == budget
+    assert len(recomputed_positions(engine, prefill)) == budget
+
+
+def test_random_selection_is_deterministic_per_prompt(random_engine_for, make_chunks):
+    engine = random_engine_for("llama")
+    chunks = make_chunks(4, seed=53)
+    engine.precompute(chunks)
+    first = engine.prefill(request(chunks, recompute_ratio=0.1))
+    again = engine.prefill(request(chunks, recompute_ratio=0.1))
+    picked = recomputed_positions(engine, first)
+    assert recomputed_positions(engine, again) == picked
+    torch.testing.assert_close(again.output.logits, first.output.logits, rtol=0, atol=0)
+    other = engine.prefill(
+        dataclasses.replace(request(chunks, recompute_ratio=0.1), question="where is vo zuka?")
+    )
+    assert len(recomputed_positions(engine, other)) == len(picked)
+    assert recomputed_positions(engine, other) != picked
+
+
+def test_random_and_hkvd_recompute_different_tokens_of_the_same_budget(
+    engine_for, random_engine_for, make_chunks
+):
+    # 8 of ~150 blended tokens: a uniform pick equals the 8 most deviating with odds ~1e-12.
+    chunks = make_chunks(6, seed=59)
+    picks = {}
+    for name, engine in (("hkvd", engine_for("llama")), ("random", random_engine_for("llama"))):
+        engine.precompute(chunks)
+        prefill = engine.prefill(request(chunks, recompute_ratio=0.05))
+        picks[name] = recomputed_positions(engine, prefill)
+    assert len(picks["hkvd"]) == len(picks["random"]) > 0
+    assert picks["hkvd"] != picks["random"]

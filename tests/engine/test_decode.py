@@ -152,3 +152,28 @@ def test_cancelling_a_generation_stops_it_and_frees_its_kv_slot(engine_for, make
     while engine.scheduler.slots.num_used and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.scheduler.slots.num_used == 0 and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("temperature", [1.79e-246, 5e-324, 1e-30])
+def test_a_tiny_temperature_samples_the_greedy_token(temperature):
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    sampler = Sampler(temperature=temperature, top_p=1.0, seed=0)
+    assert {sampler(logits) for _ in range(20)} == {1}
+
+
+def test_a_top_p_below_every_float32_keeps_the_top_token():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    sampler = Sampler(temperature=0.5, top_p=1e-300, seed=0)
+    assert {sampler(logits) for _ in range(20)} == {1}
+
+
+def test_logits_that_are_not_finite_fall_back_to_greedy():
+    logits = torch.tensor([0.1, float("nan"), 2.9, -1.0])
+    assert Sampler(temperature=1.0, top_p=0.9, seed=0)(logits) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 2**63 - 1, 2**64 + 5])
+def test_every_int_seed_is_accepted_and_deterministic(seed):
+    logits = torch.linspace(0, 1, 50)
+    first, second = Sampler(1.0, 1.0, seed), Sampler(1.0, 1.0, seed)
+    assert [first(logits) for _ in range(10)] == [second(logits) for _ in range(10)]

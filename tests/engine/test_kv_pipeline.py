@@ -14,6 +14,7 @@ from engine.model import load_model
 from engine.plan import ChunkSource
 from engine.types import GenerateRequest, Mode
 from kvstore import format as kvformat
+from kvstore import tiers
 from kvstore.store import KVStore, KVStoreConfig
 
 RATIO = 0.5
@@ -36,7 +37,7 @@ def request(chunks) -> GenerateRequest:
 
 
 def flip_a_byte_of_the_last_layer(engine, key) -> None:
-    path = engine.store.ssd.file_path(key)
+    path = engine.store.tier(tiers.SSD).file_path(key)
     header = kvformat.parse_header(path.read_bytes(), engine.fingerprint, key)
     offset = header.layer_offset(header.num_layers - 1) + 3
     with open(path, "r+b") as f:
@@ -47,12 +48,12 @@ def flip_a_byte_of_the_last_layer(engine, key) -> None:
 
 
 def truncate(engine, key) -> None:
-    path = engine.store.ssd.file_path(key)
+    path = engine.store.tier(tiers.SSD).file_path(key)
     os.truncate(path, os.path.getsize(path) // 2)
 
 
 def wrong_version(engine, key) -> None:
-    with open(engine.store.ssd.file_path(key), "r+b") as f:
+    with open(engine.store.tier(tiers.SSD).file_path(key), "r+b") as f:
         f.seek(8)  # after the 8-byte magic
         f.write(struct.pack("<I", 99))
 
@@ -88,7 +89,7 @@ def test_a_bad_ssd_entry_is_a_counted_miss_then_recomputed_with_the_right_answer
     damage(engine, key)
 
     prefill = engine.prefill(request(chunks))
-    assert engine.store.stats().ssd.corrupt == 1
+    assert engine.store.stats().tiers[tiers.SSD].corrupt == 1
     assert prefill.plan.chunk_sources[1] is ChunkSource.COMPUTE
     torch.testing.assert_close(prefill.output.logits, expected_logits, rtol=1e-4, atol=1e-5)
     assert engine.generate(request(chunks)).text == expected_text
@@ -117,14 +118,14 @@ def test_an_entry_of_another_model_is_a_counted_miss_then_recomputed(
     engine.store.flush()
     tokens = engine.prompts.chunk_tokens(chunks[1].text)
     os.replace(
-        other.store.ssd.file_path(other.chunk_key(tokens)),
-        engine.store.ssd.file_path(engine.chunk_key(tokens)),
+        other.store.tier(tiers.SSD).file_path(other.chunk_key(tokens)),
+        engine.store.tier(tiers.SSD).file_path(engine.chunk_key(tokens)),
     )
     engine.close()
     engine.store.close()
 
     restarted = ssd_engine(checkpoint_dir("llama"), tmp_path / "kv")
-    assert restarted.store.stats().ssd.corrupt == 1
+    assert restarted.store.stats().tiers[tiers.SSD].corrupt == 1
     warm_prefix(restarted)
     prefill = restarted.prefill(request(chunks))
     assert prefill.plan.chunk_sources[1] is ChunkSource.COMPUTE

@@ -7,6 +7,7 @@ import pytest
 
 from engine.plan import ChunkSource, plan_prefill
 from engine.prompt import PromptLayout
+from engine.selection import Selection
 from engine.types import Mode
 
 BOS = (1,)
@@ -72,3 +73,32 @@ def test_without_chunks_only_the_prefix_and_suffix_are_computed():
     p = plan_prefill(layout, Mode.CACHEBLEND, (), False, BOS, 0.15, (1,))
     assert (p.chunk_sources, p.streamed_chunks) == ((), [])
     assert p.always_computed_positions == [0, 1, 2, 3]
+
+
+def test_cacheblend_reads_the_stream_from_the_first_check_layer():
+    layout = PromptLayout((1, 5, 6), CHUNKS, SUFFIX)
+    p = plan_prefill(layout, Mode.CACHEBLEND, (True, False, True), True, BOS, 0.15, (2, 3))
+    assert p.first_streamed_layer == 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"mode": Mode.CACHEBLEND, "prefix": BOS},  # an exact chunk shares the stream
+        {"mode": Mode.FULL_REUSE},  # ratio 0: no layer recomputes the blended tokens
+        {"mode": Mode.CACHEBLEND, "ratio": 0.0},
+        {"mode": Mode.PREFIX_CACHE, "prefix": BOS},
+        {"mode": Mode.CACHEBLEND, "cached": (False, False, False)},  # nothing to blend
+    ],
+)
+def test_the_stream_is_read_from_layer_0_unless_the_plan_selects_among_blended_chunks_only(case):
+    assert plan(**case).first_streamed_layer == 0
+
+
+def test_plan_carries_the_selection_and_defaults_to_hkvd():
+    layout = PromptLayout((1, 5, 6), CHUNKS, SUFFIX)
+    assert plan(Mode.CACHEBLEND).selection is Selection.HKVD
+    chosen = plan_prefill(
+        layout, Mode.CACHEBLEND, (True,) * 3, True, BOS, 0.15, (1,), Selection.RANDOM
+    )
+    assert chosen.selection is Selection.RANDOM

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.model import load_model
-from engine.prompt import PromptBuilder
+from engine.prompt import PromptBuilder, PromptLayout
 
 
 def test_chunk_tokens_do_not_depend_on_neighbours_or_order(checkpoint_dir):
@@ -52,3 +52,14 @@ def test_a_template_without_a_system_turn_gets_the_system_text_in_the_user_turn(
     prefix = tokenizer.decode(layout.prefix)
     assert prefix.startswith("[INST] Be brief.\nAnswer the question using the passages below.")
     assert tokenizer.decode(layout.suffix) == "Question: where? [/INST]"
+
+
+def test_fitted_drops_chunks_from_the_end_until_the_prompt_fits():
+    layout = PromptLayout(prefix=(1, 2), chunks=((3,) * 4, (4,) * 5, (5,) * 6), suffix=(9,))
+    assert layout.fitted(100) == layout
+    kept_two = layout.fitted(12)  # 3 + 4 + 5 = 12: the last chunk goes
+    assert kept_two.chunks == layout.chunks[:2] and kept_two.dropped_chunks == 1
+    assert kept_two.fitted(11).chunks == layout.chunks[:1]
+    assert kept_two.fitted(11).dropped_chunks == 2
+    none_fit = layout.fitted(2)  # prefix and suffix alone are 3: still too long, all dropped
+    assert none_fit.chunks == () and none_fit.dropped_chunks == 3 and none_fit.num_tokens == 3

@@ -7,9 +7,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from demo.tiny import build_tokenizer, random_words
 from engine.engine import Engine
-from engine.errors import ModelNotFoundError, ModelNotSupportedError, PromptTooLongError
+from engine.errors import (
+    ChunkTooLongError,
+    ModelNotFoundError,
+    ModelNotSupportedError,
+    PromptTooLongError,
+)
 from engine.model import load_model
 from engine.types import Chunk, GenerateRequest
+from kvstore import tiers
 
 
 def test_empty_question_is_rejected():
@@ -46,6 +52,37 @@ def test_prompt_longer_than_the_models_positions_is_rejected(engine_for):
     huge = Chunk("big", " ".join(random_words(1500, 99)))
     with pytest.raises(PromptTooLongError, match="maximum of 1024 positions"):
         engine.generate(GenerateRequest(question="q", chunks=(huge,)))
+
+
+def test_a_chunk_longer_than_a_prompt_can_hold_is_refused_before_any_compute(engine_for):
+    engine = engine_for("llama")
+    fine = Chunk("fine", "kalo zu ka.")
+    huge = Chunk("huge", " ".join(random_words(1500, 98)))
+    before = engine.store.stats().tiers[tiers.MEMORY].entries
+    with pytest.raises(ChunkTooLongError, match=r"chunk 'huge' has \d+ tokens"):
+        engine.precompute([fine, huge])
+    assert engine.store.stats().tiers[tiers.MEMORY].entries == before  # not even the fine one
+
+
+def test_fit_context_drops_chunks_from_the_end_and_says_how_many(engine_for):
+    engine = engine_for("llama")
+    chunks = tuple(Chunk(f"c{i}", " ".join(random_words(300, 70 + i))) for i in range(5))
+    fitted = GenerateRequest(question="q", chunks=chunks, max_tokens=8, fit_context=True)
+    layout = engine.layout(fitted)
+    assert 0 < layout.dropped_chunks < 5
+    assert layout.num_tokens + 8 <= engine.max_model_len
+    kept = chunks[: 5 - layout.dropped_chunks]
+    plain = engine.layout(GenerateRequest(question="q", chunks=kept, max_tokens=8))
+    assert plain.token_ids == layout.token_ids
+    result = engine.generate(fitted)
+    assert result.dropped_chunks == layout.dropped_chunks
+
+
+def test_fit_context_cannot_fit_a_question_longer_than_the_positions(engine_for):
+    engine = engine_for("llama")
+    question = " ".join(random_words(1500, 97))
+    with pytest.raises(PromptTooLongError):
+        engine.layout(GenerateRequest(question=question, fit_context=True))
 
 
 def test_unknown_model_path_is_rejected(tmp_path):

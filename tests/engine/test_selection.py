@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-from engine.selection import ratio_schedule, select_top, selection_budget, token_deviation
+from engine.api.settings import EngineSettings
+from engine.selection import (
+    Selection,
+    prompt_generator,
+    ratio_schedule,
+    select_random,
+    select_top,
+    selection_budget,
+    token_deviation,
+)
 
 
 def test_budget_is_the_ceiling_of_ratio_times_tokens():
@@ -32,3 +43,33 @@ def test_deviation_is_squared_l2_over_heads_and_dims_of_keys_and_values():
     moved = keys.clone()
     moved[1, 2, 0] = 2.0
     assert token_deviation(moved, keys, values + 1, values).tolist() == [8.0, 8.0, 12.0]
+
+
+def test_random_pick_is_exactly_the_budget_of_distinct_indices_in_order():
+    picked = select_random(40, 7, prompt_generator([5, 6, 7]))
+    assert len(picked) == 7 == len(set(picked.tolist()))
+    assert picked.tolist() == sorted(picked.tolist())
+    assert int(picked.min()) >= 0 and int(picked.max()) < 40
+    assert select_random(5, 9, prompt_generator([1])).tolist() == [0, 1, 2, 3, 4]
+    assert select_random(5, 0, prompt_generator([1])).tolist() == []
+
+
+def test_random_pick_is_seeded_by_the_prompt_tokens():
+    prompt = list(range(100, 160))
+    first = select_random(200, 10, prompt_generator(prompt)).tolist()
+    assert select_random(200, 10, prompt_generator(prompt)).tolist() == first
+    assert select_random(200, 10, prompt_generator([*prompt, 3])).tolist() != first
+
+
+def test_random_pick_draws_uniformly_over_many_prompts():
+    counts = [0] * 10
+    for seed in range(2000):
+        for index in select_random(10, 2, prompt_generator([seed])).tolist():
+            counts[index] += 1
+    # 4000 draws over 10 positions: 400 each expected, sd 19; a bias would show far beyond 100.
+    assert max(counts) - min(counts) < 100
+
+
+def test_engine_setting_offers_every_selection():
+    annotation = EngineSettings.model_fields["selection"].annotation
+    assert set(get_args(annotation)) == {s.value for s in Selection}

@@ -72,3 +72,30 @@ def test_wake_starts_a_step_at_once():
     worker.wake()
     assert started.wait(0.5)
     worker.close()
+
+
+def test_idle_work_runs_when_nothing_else_is_due_and_never_between_due_steps():
+    log: list[str] = []
+    steps = Steps(log)
+    idle_calls = threading.Semaphore(0)
+
+    def idle() -> bool:  # endless idle work, one short piece per call
+        log.append("idle")
+        idle_calls.release()
+        time.sleep(0.001)
+        return True
+
+    worker = Worker(steps.step, lambda: steps.pending > 0, idle=idle)
+    assert idle_calls.acquire(timeout=5)
+    steps.pending = 3
+    worker.wake()
+    while steps.pending > 0:
+        time.sleep(0.001)
+    before = log.count("idle")
+    deadline = time.monotonic() + 5
+    while log.count("idle") <= before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    worker.close()
+    assert log.count("idle") > before  # idle work goes on once the steps are done
+    first = log.index("step")
+    assert log[first : first + 3] == ["step", "step", "step"]

@@ -38,17 +38,28 @@ def services(tmp_path_factory) -> Iterator[Spawn]:
 
 
 @pytest.fixture(scope="session")
-def retriever(services: Spawn, tiny_model: str, tmp_path_factory) -> Service:
-    data = tmp_path_factory.mktemp("retriever")
-    return services(
-        "retriever",
-        "--data-dir",
-        str(data),
-        "--tokenizer",
-        tiny_model,
-        "--chunk-tokens",
-        CHUNK_TOKENS,
-    )
+def spawn_retriever(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
+    """A retriever with its own empty index."""
+
+    def spawn(*args: str) -> Service:
+        data = tmp_path_factory.mktemp("retriever")
+        return services(
+            "retriever",
+            "--data-dir",
+            str(data),
+            "--tokenizer",
+            tiny_model,
+            "--chunk-tokens",
+            CHUNK_TOKENS,
+            *args,
+        )
+
+    return spawn
+
+
+@pytest.fixture(scope="session")
+def retriever(spawn_retriever: Spawn) -> Service:
+    return spawn_retriever()
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +67,7 @@ def spawn_engine(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
     """An engine of the tiny model with its own KV folder; queue depth 1 so that two
     generations saturate it."""
 
-    def spawn(*args: str, port: int | None = None) -> Service:
+    def spawn(*args: str, port: int | None = None, env: dict[str, str] | None = None) -> Service:
         store = tmp_path_factory.mktemp("kv")
         return services(
             "engine",
@@ -74,6 +85,7 @@ def spawn_engine(services: Spawn, tiny_model: str, tmp_path_factory) -> Spawn:
             "0.15",
             *args,
             port=port,
+            env=env,
         )
 
     return spawn
@@ -98,6 +110,9 @@ def spawn_gateway(services: Spawn, retriever: Service) -> Spawn:
             "2",
             "--default-max-tokens",
             "4",
+            # The test CPUs are shared: a long question's search may take seconds.
+            "--retrieval-timeout-s",
+            "30",
             *args,
         )
 

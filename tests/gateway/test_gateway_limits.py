@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -96,14 +97,19 @@ def test_client_leaving_a_non_streamed_query_cancels_the_engines_generation(narr
 
 
 def test_full_engine_queue_is_a_429_naming_the_engine(gateway, engine, documents):
-    with httpx.Client(base_url=gateway.url, timeout=120) as http:
+    with (
+        httpx.Client(base_url=gateway.url, timeout=120) as http,
+        ThreadPoolExecutor(1) as background,
+    ):
         with http.stream("POST", "/v1/query", json={**LONG, "stream": True}) as running:
             lines = first_delta(running)
-            with http.stream("POST", "/v1/query", json={**LONG, "stream": True}):
-                wait_until(lambda: engine_busy(engine)[1] == 1, 15, "a generation to wait")
-                refused = http.post("/v1/query", json={"question": "Kessa pass?"})
-                assert refused.status_code == 429
-                assert refused.json()["detail"].startswith("engine busy")
-                assert "Retry-After" in refused.headers
-                assert next(lines)
+            # The gateway answers once the engine's first event arrives: this one waits.
+            queued = background.submit(http.post, "/v1/query", json={**LONG, "max_tokens": 2})
+            wait_until(lambda: engine_busy(engine)[1] == 1, 15, "a generation to wait")
+            refused = http.post("/v1/query", json={"question": "Kessa pass?"})
+            assert refused.status_code == 429
+            assert refused.json()["detail"].startswith("engine busy")
+            assert "Retry-After" in refused.headers
+            assert next(lines)
+        assert queued.result().status_code == 200
         wait_until(lambda: engine_busy(engine) == (0, 0), 15, "the engine to go idle")

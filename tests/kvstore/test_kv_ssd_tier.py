@@ -1,5 +1,6 @@
 """The SSD tier: round trip, exact LRU eviction, restart rebuild, every kind of bad entry as a
-counted miss with its file deleted, failed writes leaving nothing, and check()."""
+counted miss with its file deleted, failed writes leaving nothing, check(), and entries in each
+encoding (compressed on disk, read back in their original dtype)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import codec
 from kvstore import format as kvformat
+from kvstore.codec import QuantizedPair
 from kvstore.ssd_tier import SSDTier
 from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, flip_byte, key_of, make_kv
 
@@ -244,3 +247,133 @@ def test_drop_page_cache_keeps_entries_readable(tmp_path: Path) -> None:
     tier.drop_page_cache()
     tier.drop_page_cache(KEYS[0])
     assert_kv_equal(tier.get(KEYS[0]), make_kv())
+
+
+# -- encodings -----------------------------------------------------------------------------------
+
+COMPRESSED = ["fp8_e4m3", "int8"]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, encoding: str) -> bool:
+    bound = {"fp8_e4m3": 0.04, "int8": 0.01}[encoding]
+    return float((actual.float() - expected.float()).norm() / expected.float().norm()) < bound
+
+
+@pytest.mark.parametrize("encoding", COMPRESSED)
+def test_encoded_entries_read_back_in_their_original_dtype(
+    tmp_path: Path, dtype: torch.dtype, encoding: str
+) -> None:
+    tier = SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding=encoding)
+    kv = make_kv(seed=11, dtype=dtype, num_tokens=40, head_dim=16)
+    tier.put(KEYS[0], kv)
+    back = tier.get(KEYS[0])
+    assert back is not None and back.keys.dtype == dtype and back.keys.shape == kv.keys.shape
+    expected = codec.round_trip(kv, encoding)
+    assert torch.equal(back.keys, expected.keys) and torch.equal(back.values, expected.values)
+    assert _close(back.keys, kv.keys, encoding) and _close(back.values, kv.values, encoding)
+
+
+@pytest.mark.parametrize("encoding", COMPRESSED)
+def test_open_reads_quantized_layers_as_views_of_one_buffer(tmp_path: Path, encoding: str) -> None:
+    tier = SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding=encoding)
+    kv = make_kv(seed=12, dtype=torch.bfloat16)
+    tier.put(KEYS[0], kv)
+    reader = tier.open(KEYS[0])
+    assert reader is not None and reader.header.encoding == encoding
+    try:
+        pairs = [reader.read_layer(i) for i in range(reader.num_layers - 1)]
+        assert reader.chunk_kv() is None  # not every layer read yet
+        pairs.append(reader.read_layer(reader.num_layers - 1))
+        whole = reader.chunk_kv()
+    finally:
+        reader.close()
+    assert all(isinstance(p, QuantizedPair) for p in pairs)
+    storages = {t.untyped_storage().data_ptr() for p in pairs for t in (p.k, p.v, p.k_scale)}
+    assert len(storages) == 1  # every payload and scale is a view of the entry's read buffer
+    assert whole is not None and whole.keys.dtype == torch.bfloat16
+    for i, pair in enumerate(pairs):
+        k, v = pair.dequantize()
+        assert torch.equal(k, whole.keys[i]) and torch.equal(v, whole.values[i])
+
+
+def test_open_reads_unencoded_layers_as_plain_pairs(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.put(KEYS[0], make_kv(seed=13))
+    reader = tier.open(KEYS[0])
+    assert reader is not None
+    try:
+        k, v = reader.read_layer(0)
+    finally:
+        reader.close()
+    assert torch.equal(k, make_kv(seed=13).keys[0]) and torch.equal(v, make_kv(seed=13).values[0])
+    assert tier.open(KEYS[1]) is None and tier.stats().misses == 1
+
+
+def test_a_tier_reads_entries_of_every_encoding_whatever_it_writes(tmp_path: Path) -> None:
+    for i, encoding in enumerate(codec.ENCODINGS):
+        SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding=encoding).put(KEYS[i], make_kv(seed=i))
+    tier = SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding="int8")
+    assert tier.keys_lru_first() == KEYS[:3]
+    for i, encoding in enumerate(codec.ENCODINGS):
+        expected = codec.round_trip(make_kv(seed=i), encoding)
+        assert_kv_equal(tier.get(KEYS[i]), expected)
+
+
+@pytest.mark.parametrize(("dtype", "ratio"), [(torch.float32, 0.25), (torch.bfloat16, 0.5)])
+@pytest.mark.parametrize("encoding", COMPRESSED)
+def test_compressed_entries_take_a_quarter_of_fp32_and_half_of_bf16_bytes(
+    tmp_path: Path, dtype: torch.dtype, ratio: float, encoding: str
+) -> None:
+    kv = make_kv(dtype=dtype, num_layers=2, num_kv_heads=4, num_tokens=256, head_dim=64)
+    plain = SSDTier(tmp_path / "plain", 1 << 30, FINGERPRINT)
+    small = SSDTier(tmp_path / "small", 1 << 30, FINGERPRINT, encoding=encoding)
+    plain.put(KEYS[0], kv)
+    small.put(KEYS[0], kv)
+    assert small.stats().bytes / plain.stats().bytes == pytest.approx(ratio, abs=0.02)
+    assert small.file_path(KEYS[0]).stat().st_size == small.stats().bytes
+
+
+def test_an_unknown_encoding_is_a_value_error_naming_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="none, fp8_e4m3, int8"):
+        SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding="fp4")
+
+
+def test_kv_with_inf_is_not_written_in_a_compressed_encoding(tmp_path: Path) -> None:
+    tier = SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding="fp8_e4m3")
+    kv = make_kv()
+    kv.values[1, 0, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        tier.put(KEYS[0], kv)
+    assert _entry_files(tmp_path) == [] and _temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("where", ["payload", "scales"])
+def test_a_flipped_byte_of_an_encoded_layer_is_a_counted_miss(tmp_path: Path, where: str) -> None:
+    tier = SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding="int8")
+    tier.put(KEYS[0], make_kv())
+    path = tier.file_path(KEYS[0])
+    header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[0])
+    inside = 7 if where == "payload" else header.scales_offset + header.scale_nbytes + 2
+    flip_byte(path, header.layer_offset(2) + inside)
+    assert tier.get(KEYS[0]) is None
+    assert not path.exists() and tier.stats().corrupt == 1
+
+
+def test_check_with_data_verifies_encoded_entries(tmp_path: Path) -> None:
+    tier = SSDTier(tmp_path, 1 << 30, FINGERPRINT, encoding="fp8_e4m3")
+    tier.put(KEYS[0], make_kv(seed=0))
+    tier.put(KEYS[1], make_kv(seed=1))
+    path = tier.file_path(KEYS[1])
+    header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[1])
+    flip_byte(path, header.layer_offset(0) + header.scales_offset)
+    assert tier.check(verify_data=True).removed_corrupt == 1
+    assert tier.keys_lru_first() == [KEYS[0]]
+
+
+def test_discard_removes_the_file_and_the_index_entry(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.put(KEYS[0], make_kv())
+    assert tier.discard(KEYS[0]) is True
+    assert KEYS[0] not in tier and not tier.file_path(KEYS[0]).exists()
+    assert tier.stats().bytes == 0
+    assert tier.discard(KEYS[0]) is False

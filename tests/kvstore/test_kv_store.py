@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import tiers
 from kvstore.store import KVStore, KVStoreConfig
 from kvstore.types import ChunkKV
 from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, key_of, make_kv, read_entry
@@ -57,7 +58,7 @@ def test_memory_only_store_works_without_ssd() -> None:
         store.flush()
         assert store.lookup([KEYS[0], KEYS[1]]) == ["memory", None]
         assert read_entry(store, KEYS[1]) is None
-        assert store.stats().ssd is None
+        assert store.stats().tier(tiers.SSD) is None
 
 
 def test_failed_ssd_write_is_counted_and_entry_stays_in_memory(
@@ -69,26 +70,63 @@ def test_failed_ssd_write_is_counted_and_entry_stays_in_memory(
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(os, "fsync", disk_full)
-        store.put(KEYS[0], make_kv())
-        store.flush()
+        written = store.put(KEYS[0], make_kv())
+        assert written.result(timeout=10) is False
         monkeypatch.undo()
         stats = store.stats()
-        assert (stats.write_errors, stats.pending_writes, stats.ssd.entries) == (1, 0, 0)
+        assert (stats.write_errors, stats.pending_writes, stats.tiers[tiers.SSD].entries) == (
+            1,
+            0,
+            0,
+        )
+        assert stats.last_write_error == "ENOSPC: No space left on device"
         assert store.lookup([KEYS[0]]) == ["memory"]
         assert list((tmp_path / "kv").glob("*/*")) == []
+        # The disk has room again: the next write succeeds and clears the failing state.
+        assert store.put(KEYS[1], make_kv(seed=1)).result(timeout=10) is True
+        assert store.stats().last_write_error is None and store.stats().write_errors == 1
+
+
+def test_a_file_where_the_ssd_folder_was_fails_writes_without_naming_paths(
+    tmp_path: Path,
+) -> None:
+    with KVStore(_config(tmp_path)) as store:
+        (tmp_path / "kv").rmdir()
+        (tmp_path / "kv").write_text("not a folder")  # e.g. an operator's mistake
+        assert store.put(KEYS[0], make_kv()).result(timeout=10) is False
+        stats = store.stats()
+        assert stats.write_errors == 1 and stats.last_write_error is not None
+        assert str(tmp_path) not in stats.last_write_error
+        assert store.lookup([KEYS[0]]) == ["memory"]
+
+
+def test_put_reports_when_the_entry_reached_the_last_tier(tmp_path: Path) -> None:
+    with KVStore(_config(tmp_path)) as store:
+        first, again = store.put(KEYS[0], make_kv()), store.put(KEYS[0], make_kv())
+        assert first.result(timeout=10) is True and again.result(timeout=10) is True
+        assert store.put(KEYS[0], make_kv()).result(timeout=0) is True  # on SSD already
+    with KVStore(_config(None, memory_entries=1)) as memory_only:
+        assert memory_only.put(KEYS[0], make_kv()).result(timeout=0) is True
+        too_big = make_kv(num_tokens=64)
+        assert too_big.nbytes > make_kv().nbytes
+        assert memory_only.put(KEYS[1], too_big).result(timeout=0) is False
 
 
 def test_bad_ssd_entry_is_a_miss_through_the_store(tmp_path: Path) -> None:
     with KVStore(_config(tmp_path)) as store:
         store.put(KEYS[0], make_kv())
         store.flush()
-        store.memory.discard(KEYS[0])
-        path = store.ssd.file_path(KEYS[0])
+        store.tier(tiers.MEMORY).discard(KEYS[0])
+        path = store.tier(tiers.SSD).file_path(KEYS[0])
         os.truncate(path, 100)
         assert read_entry(store, KEYS[0]) is None
         assert store.lookup([KEYS[0]]) == [None] and not path.exists()
         stats = store.stats()
-        assert (stats.ssd.corrupt, stats.ssd.misses, stats.memory.misses) == (1, 1, 1)
+        assert (
+            stats.tiers[tiers.SSD].corrupt,
+            stats.tiers[tiers.SSD].misses,
+            stats.tiers[tiers.MEMORY].misses,
+        ) == (1, 1, 1)
 
 
 def test_check_reports_file_deleted_behind_the_index(tmp_path: Path) -> None:
@@ -96,10 +134,10 @@ def test_check_reports_file_deleted_behind_the_index(tmp_path: Path) -> None:
         store.put(KEYS[0], make_kv())
         store.put(KEYS[1], make_kv(seed=1))
         store.flush()
-        store.ssd.file_path(KEYS[0]).unlink()
+        store.tier(tiers.SSD).file_path(KEYS[0]).unlink()
         report = store.check()
         assert report.dropped_missing == 1
-        assert store.stats().ssd.entries == 1
+        assert store.stats().tiers[tiers.SSD].entries == 1
 
 
 def test_put_refuses_unstorable_input(tmp_path: Path) -> None:
@@ -150,8 +188,8 @@ def test_concurrent_puts_gets_and_streams_stay_exact(tmp_path: Path) -> None:
         store.flush()
         assert store.check(verify_data=True).removed_corrupt == 0
         assert store.stats().write_errors == 0
-        for key in store.ssd.keys_lru_first():
-            store.memory.discard(key)
+        for key in store.tier(tiers.SSD).keys_lru_first():
+            store.tier(tiers.MEMORY).discard(key)
             got = read_entry(store, key)
             assert isinstance(got, ChunkKV)
             assert_kv_equal(got, expected[key])
@@ -164,3 +202,52 @@ def test_put_after_close_is_refused(tmp_path: Path) -> None:
     store.flush()  # nothing pending, returns at once
     with pytest.raises(RuntimeError):
         store.put(KEYS[0], make_kv())
+
+
+def test_tiers_are_walked_fastest_first_and_named_once(tmp_path: Path) -> None:
+    config = KVStoreConfig(
+        model_fingerprint=FINGERPRINT, ssd_path=tmp_path / "kv", gpu_budget_bytes=1 << 20
+    )
+    with KVStore(config) as store:
+        assert [t.name for t in store.tiers] == [tiers.GPU, tiers.MEMORY, tiers.SSD]
+        assert list(store.stats().tiers) == [tiers.GPU, tiers.MEMORY, tiers.SSD]
+        store.put(KEYS[0], make_kv())
+        store.flush()
+        assert store.lookup([KEYS[0], KEYS[1]]) == [tiers.MEMORY, None]  # puts go to host memory
+
+
+def test_an_entry_hit_repeatedly_in_host_memory_is_promoted_to_the_gpu_tier() -> None:
+    config = KVStoreConfig(
+        model_fingerprint=FINGERPRINT, gpu_budget_bytes=1 << 20, gpu_promote_hits=2
+    )
+    kv = make_kv(seed=4)
+    with KVStore(config) as store:
+        store.put(KEYS[0], kv)
+        for expected in (tiers.MEMORY, tiers.MEMORY, tiers.GPU):
+            with store.open_stream([KEYS[0]]) as stream:
+                assert stream.tiers == [expected]
+                for i in range(kv.num_layers):
+                    stream.layer(i)
+            store.flush()
+        assert store.lookup([KEYS[0]]) == [tiers.GPU]
+        assert_kv_equal(store.tier(tiers.GPU).get(KEYS[0]), kv)
+
+
+def test_a_gpu_tier_hit_is_served_without_a_copy() -> None:
+    config = KVStoreConfig(model_fingerprint=FINGERPRINT, gpu_budget_bytes=1 << 20)
+    kv = make_kv(seed=6)
+    with KVStore(config) as store:
+        assert store.put_local(KEYS[0], kv)
+        held = store.tier(tiers.GPU).get(KEYS[0])
+        with store.open_stream([KEYS[0]]) as stream:
+            k, _ = stream.layer(0)[0]
+        assert k.data_ptr() == held.keys[0].data_ptr()
+        assert stream.stats.device_copies == 0
+
+
+def test_keys_are_validated_before_anything_is_stored(tmp_path: Path) -> None:
+    with KVStore(KVStoreConfig(model_fingerprint=FINGERPRINT)) as store:
+        for bad in ("a/../b", "", "x", "k" * 201):
+            with pytest.raises(ValueError):
+                store.put(bad, make_kv())
+        assert store.stats().tiers[tiers.MEMORY].entries == 0

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import codec, tiers
 from kvstore import format as kvformat
 from kvstore.errors import KVStreamError
+from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore, KVStoreConfig
 from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, flip_byte, key_of, make_kv
 
@@ -36,11 +38,11 @@ def _store(tmp_path: Path, memory_entries: int = 100, lookahead: int = 2) -> KVS
 def _put_on_ssd_only(store: KVStore, key: str, kv) -> None:
     store.put(key, kv)
     store.flush()
-    store.memory.discard(key)
+    store.tier(tiers.MEMORY).discard(key)
 
 
-def _loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "kv-layer-loader"]
+def _loader_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
 
 
 def _open_entry_fds(folder: Path) -> list[str]:
@@ -130,12 +132,11 @@ def test_close_mid_stream_stops_the_loader_promptly_and_releases_files(tmp_path:
         stream.close()
         slow.close()
         assert time.perf_counter() - started < 5.0  # far below the 30 s the loader would sleep
-        assert _loader_threads() == []
-        assert _open_entry_fds(tmp_path) == []
+        assert stream.finished and slow.finished
         with pytest.raises(KVStreamError):
             stream.layer(2)
-        store.flush()
-        assert store.lookup(KEYS[:2]) == ["ssd", "ssd"]  # partly read entries are not promoted
+        store.flush()  # the partly read entries are promoted by the store's worker
+        assert _open_entry_fds(tmp_path) == []
 
 
 def test_corrupt_layer_mid_stream_raises_stream_error_and_deletes_entry(tmp_path: Path) -> None:
@@ -143,7 +144,7 @@ def test_corrupt_layer_mid_stream_raises_stream_error_and_deletes_entry(tmp_path
         good, bad = make_kv(seed=1, num_layers=6), make_kv(seed=2, num_layers=6)
         store.put(KEYS[0], good)
         _put_on_ssd_only(store, KEYS[1], bad)
-        path = store.ssd.file_path(KEYS[1])
+        path = store.tier(tiers.SSD).file_path(KEYS[1])
         header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[1])
         flip_byte(path, header.layer_offset(3) + 10)
         with store.open_stream(KEYS[:2]) as stream:
@@ -154,17 +155,17 @@ def test_corrupt_layer_mid_stream_raises_stream_error_and_deletes_entry(tmp_path
                 with pytest.raises(KVStreamError) as raised:
                     stream.layer(i)
                 assert (raised.value.layer, raised.value.key) == (i, KEYS[1])
-        assert _loader_threads() == []
+        assert stream.finished
         assert not path.exists()
         assert store.lookup(KEYS[:2]) == ["memory", None]
-        assert store.stats().ssd.corrupt == 1
+        assert store.stats().tiers[tiers.SSD].corrupt == 1
 
 
 def test_file_truncated_while_streaming_raises_stream_error(tmp_path: Path) -> None:
     with _store(tmp_path, lookahead=0) as store:
         kv = make_kv(num_layers=5)
         _put_on_ssd_only(store, KEYS[0], kv)
-        path = store.ssd.file_path(KEYS[0])
+        path = store.tier(tiers.SSD).file_path(KEYS[0])
         header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[0])
         with store.open_stream([KEYS[0]]) as stream:
             assert torch.equal(stream.layer(0)[0][0], kv.keys[0])
@@ -173,7 +174,122 @@ def test_file_truncated_while_streaming_raises_stream_error(tmp_path: Path) -> N
             with pytest.raises(KVStreamError, match="file ends") as raised:
                 stream.layer(2)
             assert raised.value.layer == 2
-        assert store.lookup([KEYS[0]]) == [None] and store.stats().ssd.corrupt == 1
+        assert store.lookup([KEYS[0]]) == [None] and store.stats().tiers[tiers.SSD].corrupt == 1
+
+
+def test_one_loader_thread_serves_every_open_stream_and_prefetches_the_next(
+    tmp_path: Path,
+) -> None:
+    with _store(tmp_path, lookahead=2) as store:
+        first, second = make_kv(seed=1, num_layers=6), make_kv(seed=2, num_layers=6)
+        _put_on_ssd_only(store, KEYS[0], first)
+        _put_on_ssd_only(store, KEYS[1], second)
+        with store.open_stream([KEYS[0]]) as a, store.open_stream([KEYS[1]]) as b:
+            for i in range(6):
+                assert torch.equal(a.layer(i)[0][0], first.keys[i])
+            # Before anyone asks `b` for a layer, its window (the first `lookahead` layers) is
+            # loaded, and no more.
+            deadline = time.perf_counter() + 10
+            while len(b.timings) < 2 and time.perf_counter() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)
+            assert {t.layer for t in b.timings} == {0, 1}
+            for i in range(6):
+                assert torch.equal(b.layer(i)[0][1], second.values[i])
+            assert len(_loader_threads(store.loader.name)) == 1
+    assert _loader_threads(store.loader.name) == []  # closing the store stops its loader
+
+
+def test_a_partial_read_promotes_the_whole_entry_to_memory(tmp_path: Path, dtype) -> None:
+    with _store(tmp_path) as store:
+        kv = make_kv(seed=5, dtype=dtype, num_layers=6)
+        _put_on_ssd_only(store, KEYS[0], kv)
+        with store.open_stream([KEYS[0]], lookahead=0) as stream:
+            stream.layer(0)  # one layer of six: a probe
+        store.flush()
+        assert store.lookup([KEYS[0]]) == [tiers.MEMORY]
+        assert_kv_equal(store.tier(tiers.MEMORY).get(KEYS[0]), kv)
+
+
+def test_an_entry_never_read_is_not_promoted(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        _put_on_ssd_only(store, KEYS[0], make_kv(seed=5))
+        store.open_stream([KEYS[0]], read_delay_s=30.0).close()
+        store.flush()
+        assert store.lookup([KEYS[0]]) == [tiers.SSD]
+
+
+def test_the_loader_never_loads_layers_below_the_first_layer(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        kv = make_kv(seed=3, num_layers=6)
+        _put_on_ssd_only(store, KEYS[0], kv)
+        with store.open_stream([KEYS[0]], first_layer=2) as stream:
+            with pytest.raises(ValueError):
+                stream.layer(1)
+            k, v = stream.layer(2)[0]
+            assert torch.equal(k, kv.keys[2]) and torch.equal(v, kv.values[2])
+            stream.skip_to(4)
+            assert torch.equal(stream.layer(4)[0][1], kv.values[4])
+        assert {t.layer for t in stream.timings} <= {2, 3, 4, 5}
+        assert 2 in {t.layer for t in stream.timings}
+
+
+def test_a_coalesced_stream_moves_each_layer_in_one_copy(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        chunks = [make_kv(seed=j, num_tokens=3 + j) for j in range(4)]
+        for j, kv in enumerate(chunks):
+            if j % 2:
+                _put_on_ssd_only(store, KEYS[j], kv)
+            else:
+                store.put(KEYS[j], kv)
+        stream = KVLayerStream(
+            [
+                store.tier(tiers.MEMORY).open(KEYS[0]),
+                store.tier(tiers.SSD).open(KEYS[1]),
+                None,
+                store.tier(tiers.MEMORY).open(KEYS[2]),
+                store.tier(tiers.SSD).open(KEYS[3]),
+            ],
+            coalesce=True,
+        )
+        with stream:
+            for i in range(4):
+                pairs = stream.layer(i)
+                for (k, v), kv in zip(pairs, chunks, strict=True):
+                    assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
+                    assert k.data_ptr() != kv.keys[i].data_ptr()  # a copy, not the tier's view
+        assert stream.stats.device_copies == 4
+        assert stream.stats.device_copy_bytes >= sum(kv.nbytes for kv in chunks)
+
+
+@pytest.mark.parametrize("encoding", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_compressed_entries_stream_dequantized_and_promote(
+    tmp_path: Path, encoding: str, coalesce: bool
+) -> None:
+    config = KVStoreConfig(
+        model_fingerprint=FINGERPRINT,
+        memory_budget_bytes=1 << 30,
+        ssd_path=tmp_path / "kv",
+        ssd_encoding=encoding,
+    )
+    kv = make_kv(seed=7, dtype=torch.bfloat16, num_tokens=128)
+    expected = codec.round_trip(kv, encoding)  # exactly what the SSD tier keeps
+    with KVStore(config) as store:
+        _put_on_ssd_only(store, KEYS[0], kv)
+        ssd = store.tier(tiers.SSD)
+        stream = KVLayerStream([ssd.open(KEYS[0])], coalesce=coalesce)
+        with stream:
+            for i in range(kv.num_layers):
+                ((k, v),) = stream.layer(i)
+                assert k.dtype == torch.bfloat16
+                assert torch.equal(k, expected.keys[i]) and torch.equal(v, expected.values[i])
+        # Compressed bytes are what was read: one byte per value plus the scales.
+        assert stream.stats.bytes_by_tier[tiers.SSD] < kv.nbytes * 0.6
+        with store.open_stream([KEYS[0]]) as promoting:
+            promoting.layer(0)
+        store.flush()
+        assert_kv_equal(store.tier(tiers.MEMORY).get(KEYS[0]), expected)
 
 
 def test_full_read_promotes_ssd_entries_to_memory(tmp_path: Path, dtype) -> None:
@@ -185,7 +301,7 @@ def test_full_read_promotes_ssd_entries_to_memory(tmp_path: Path, dtype) -> None
                 stream.layer(i)
         store.flush()  # promotion runs on the store's worker thread
         assert store.lookup([KEYS[0]]) == ["memory"]
-        assert_kv_equal(store.memory.get(KEYS[0]), kv)
+        assert_kv_equal(store.tier(tiers.MEMORY).get(KEYS[0]), kv)
 
 
 def test_stream_of_missing_chunks_yields_empty_layers(tmp_path: Path) -> None:
@@ -228,4 +344,60 @@ def test_stream_to_cuda_is_exact_from_both_tiers(tmp_path: Path, pin_memory: boo
                 assert torch.equal(v_ssd.cpu(), on_ssd.values[i])
         store.flush()
         assert store.lookup([KEYS[1]]) == ["memory"]
-        assert store.memory.get(KEYS[1]).keys.is_pinned() == pin_memory
+        assert store.tier(tiers.MEMORY).get(KEYS[1]).keys.is_pinned() == pin_memory
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("encoding", ["none", "int8", "fp8_e4m3"])
+def test_cuda_layers_arrive_in_one_copy_each_and_gpu_hits_in_none(
+    tmp_path: Path, encoding: str
+) -> None:
+    config = KVStoreConfig(
+        model_fingerprint=FINGERPRINT,
+        memory_budget_bytes=1 << 30,
+        ssd_path=tmp_path / "kv",
+        pin_memory=True,
+        gpu_budget_bytes=1 << 30,
+        device="cuda",
+        ssd_encoding=encoding,
+    )
+    chunks = [make_kv(seed=j, dtype=torch.bfloat16, num_tokens=64 + j) for j in range(3)]
+    with KVStore(config) as store:
+        store.put(KEYS[0], chunks[0])  # host memory, pinned
+        _put_on_ssd_only(store, KEYS[1], chunks[1])  # SSD, maybe compressed
+        store.put_local(KEYS[2], chunks[2])  # the gpu tier
+        expected = [chunks[0], codec.round_trip(chunks[1], encoding), chunks[2]]
+        with store.open_stream(KEYS[:3], device="cuda") as stream:
+            assert stream.tiers == [tiers.MEMORY, tiers.SSD, tiers.GPU]
+            for i in range(4):
+                pairs = stream.layer(i)
+                torch.cuda.current_stream().synchronize()
+                for (k, v), kv in zip(pairs, expected, strict=True):
+                    assert k.is_cuda and k.dtype == torch.bfloat16
+                    assert torch.equal(k.cpu(), kv.keys[i]) and torch.equal(v.cpu(), kv.values[i])
+        assert stream.stats.device_copies == 4  # one per layer for the two host chunks
+        gpu_kv = store.tier(tiers.GPU).get(KEYS[2])
+        with store.open_stream([KEYS[2]], device="cuda") as gpu_only:
+            k, _ = gpu_only.layer(0)[0]
+            assert k.data_ptr() == gpu_kv.keys[0].data_ptr()
+        assert gpu_only.stats.device_copies == 0
+
+
+@pytest.mark.parametrize("memory_entries", [0, 100])
+def test_promotion_reads_the_rest_only_when_host_memory_can_keep_the_entry(
+    tmp_path: Path, memory_entries: int
+) -> None:
+    with _store(tmp_path, memory_entries=memory_entries) as store:
+        kv = make_kv(seed=8, num_layers=6)
+        _put_on_ssd_only(store, KEYS[0], kv)
+        path = store.tier(tiers.SSD).file_path(KEYS[0])
+        header = kvformat.parse_header(path.read_bytes(), FINGERPRINT, KEYS[0])
+        flip_byte(path, header.layer_offset(4) + 10)  # a bad layer the stream never reads
+        with store.open_stream([KEYS[0]], lookahead=0) as stream:
+            stream.layer(0)
+        store.flush()
+        corrupt = store.stats().tiers[tiers.SSD].corrupt
+        if memory_entries:  # the promotion read layer 4, found it bad, and dropped the entry
+            assert corrupt == 1 and store.lookup([KEYS[0]]) == [None]
+        else:  # nothing could be kept, so nothing more was read
+            assert corrupt == 0 and store.lookup([KEYS[0]]) == [tiers.SSD]

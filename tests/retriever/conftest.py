@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,8 +25,9 @@ def start_retriever(
     return start_service("retriever", ["--data-dir", str(data_dir), *args], log_path, env=env)
 
 
-def make_pdf(pages: list[str]) -> bytes:
-    """A minimal text PDF (Helvetica, one page per string) with a correct xref table."""
+def make_pdf(pages: list[str], deflate: bool = False) -> bytes:
+    """A minimal text PDF (Helvetica, one page per string) with a correct xref table;
+    `deflate`: page contents FlateDecode-compressed (a small file with a large text)."""
     objects: list[bytes] = []
     n_pages = len(pages)
     font_id = 3 + 2 * n_pages
@@ -35,11 +37,16 @@ def make_pdf(pages: list[str]) -> bytes:
     for i, text in enumerate(pages):
         escaped = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
         stream = f"BT /F1 12 Tf 72 720 Td ({escaped}) Tj ET".encode()
+        flate = b""
+        if deflate:
+            stream, flate = zlib.compress(stream, 9), b" /Filter /FlateDecode"
         objects.append(
             f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {4 + 2 * i} 0 R "
             f"/Resources << /Font << /F1 {font_id} 0 R >> >> >>".encode()
         )
-        objects.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
+        objects.append(
+            b"<< /Length %d%s >>\nstream\n" % (len(stream), flate) + stream + b"\nendstream"
+        )
     objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
     out = bytearray(b"%PDF-1.4\n")
     offsets = []

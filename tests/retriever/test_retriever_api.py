@@ -33,16 +33,20 @@ def test_ingest_returns_content_hash_ids_and_search_finds_the_chunk(client):
     assert body["doc_id"] == sha[:32]
     assert body["chunk_ids"] == [sha[:32]]  # one chunk holding the whole text
     assert body["status"] == "created"
+    question = "What colour was the Varnholm lighthouse?"
     results = client.post(
-        "/v1/search", json={"query": "What colour was the Varnholm lighthouse?", "top_k": 3}
+        "/v1/search", json={"query": question, "top_k": 3, "retrieval": "dense"}
     ).json()["results"]
     assert results[0] == {
         "chunk_id": sha[:32],
+        "collection": "default",
         "doc_id": sha[:32],
         "score": pytest.approx(results[0]["score"]),
         "text": text,
+        "num_tokens": body["num_tokens"],
+        "hop": 1,
     }
-    assert 0.3 < results[0]["score"] <= 1.0
+    assert 0.3 < results[0]["score"] <= 1.0  # cosine similarity
 
 
 def test_reingesting_the_same_document_creates_nothing_new(client):
@@ -98,7 +102,11 @@ def test_delete_removes_the_document_its_chunks_and_vectors(client):
     body = _ingest(client, text)
     before = _health(client)
     response = client.delete(f"/v1/documents/{body['doc_id']}")
-    assert response.json() == {"doc_id": body["doc_id"], "deleted_chunks": 1}
+    assert response.json() == {
+        "collection": "default",
+        "doc_id": body["doc_id"],
+        "deleted_chunks": 1,
+    }
     after = _health(client)
     assert after["chunks"] == before["chunks"] - 1
     assert after["index_vectors"] == before["index_vectors"] - 1
@@ -125,6 +133,7 @@ def test_search_filters_by_doc_ids_and_min_score(client):
             "top_k": 2,
             "doc_ids": [a["doc_id"], b["doc_id"]],
             "min_score": 0.2,
+            "retrieval": "dense",  # scores are then the cosine that min_score bounds
         },
     ).json()["results"]
     assert [r["doc_id"] for r in results][0] == a["doc_id"]
@@ -231,7 +240,10 @@ def test_unknown_doc_id_gets_404_on_delete_and_get(client):
         client.get("/v1/documents/no-such-doc"),
     ):
         assert response.status_code == 404
-        assert response.json()["detail"] == "unknown doc_id 'no-such-doc'"
+        assert response.json() == {
+            "detail": "unknown doc_id 'no-such-doc' in collection 'default'",
+            "errors": [],
+        }
 
 
 def test_metrics_expose_search_latency_ingest_counts_and_index_size(client):

@@ -38,3 +38,11 @@ def test_ingest_walks_folders_summarises_and_fails_on_bad_files(
         listing = http.get("/v1/documents", params={"limit": 100000}).json()["documents"]
     sources = {d["metadata"].get("source") for d in listing}
     assert str(tmp_path / "docs" / "nested" / "b.md") in sources
+
+
+def test_ingest_reports_a_file_above_max_document_chars(shared_retriever, run_ragblend, tmp_path):
+    huge = tmp_path / "huge.txt"
+    huge.write_text("a" * 2_000_001)  # the default max_document_chars, plus one
+    run = run_ragblend("ingest", str(huge), "--url", shared_retriever.url)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "huge.txt holds more than max_document_chars (2000000)" in run.stdout

@@ -10,9 +10,10 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from common.errors import error_body
+from common.request_id import request_id_var
 from common.sse import sse
-from engine.api.deps import EngineDep, MetricsDep, SettingsDep
-from engine.api.schemas import GenerateBody, GenerateResponse
+from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
+from engine.api.schemas import GenerateBody, GenerateResponse, error_responses
 from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
 from engine.streaming import Generation
 from engine.types import GenerateResult, Mode
@@ -22,7 +23,14 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
 
 
-@router.post("/v1/generate", response_model=GenerateResponse)
+@router.post(
+    "/v1/generate",
+    response_model=GenerateResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream"},
+        **error_responses(400, 401, 403, 413, 415, 422, 429, 499, 500, 503),
+    },
+)
 async def generate(
     body: GenerateBody, http: Request, engine: EngineDep, metrics: MetricsDep, settings: SettingsDep
 ):
@@ -32,10 +40,13 @@ async def generate(
             detail=f"max_tokens: {body.max_tokens} is above the limit of "
             f"{settings.max_tokens_limit}",
         )
+    check_text_limits(body.texts(), settings.max_text_chars)
     try:
         request = body.to_request()
-        engine.layout(request)  # prompt-length errors become a 422 before queueing
-        generation = engine.start(request)
+        # Tokenizing a long prompt takes seconds: on a thread, so that the event loop keeps
+        # serving /health and the streams in flight. Length errors are a 422 before queueing.
+        layout = await asyncio.to_thread(engine.layout, request)
+        generation = engine.start(request, layout)
     except QueueFullError as exc:
         metrics.errors.labels("queue_full").inc()
         raise HTTPException(
@@ -50,16 +61,28 @@ async def generate(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    result = await _until_done_or_disconnect(generation, http)
+    try:
+        result = await _until_done_or_disconnect(generation, http)
+    except HTTPException:
+        raise
+    except Exception as exc:
+        log.exception("generation failed")
+        metrics.errors.labels("generation").inc()
+        raise HTTPException(500, detail=generation_failed()) from exc
     _record(metrics, request.mode, result)
     return GenerateResponse.from_result(result)
+
+
+def generation_failed() -> str:
+    # The exception's text may name internal paths: it goes to the log, the client gets the id.
+    return f"generation failed: an internal error (request id {request_id_var.get()})"
 
 
 def _record(metrics, mode: Mode, result: GenerateResult) -> None:
     metrics.observe(mode, result)
     log.info(
         "generated mode=%s prompt=%d cached=%d recomputed=%d completion=%d ratio=%.2f "
-        "ttft=%.3fs overlap=%.2f",
+        "ttft=%.3fs overlap=%.2f dropped=%d",
         mode.value,
         result.usage.prompt_tokens,
         result.usage.cached_tokens,
@@ -68,6 +91,7 @@ def _record(metrics, mode: Mode, result: GenerateResult) -> None:
         result.blend.recompute_ratio,
         result.timings.ttft_s,
         result.timings.overlap,
+        result.dropped_chunks,
     )
 
 
@@ -80,10 +104,10 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
                 yield sse(GenerateResponse.from_result(event).model_dump(), "result")
             elif event.text:
                 yield sse({"text": event.text}, "delta")
-    except Exception as exc:
+    except Exception:
         log.exception("generation failed")
         metrics.errors.labels("generation").inc()
-        yield sse(error_body(f"generation failed: {exc}"), "error")
+        yield sse(error_body(generation_failed()), "error")
     finally:
         generation.cancel()
 

@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 
-from engine.api.deps import EngineDep, MetricsDep
-from engine.api.schemas import PrecomputeRequest, PrecomputeResponse
+from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
+from engine.api.schemas import PrecomputeRequest, PrecomputeResponse, error_responses
+from engine.errors import InvalidRequestError
 from engine.types import Chunk
 
 router = APIRouter()
 
 
-@router.post("/v1/precompute", response_model=PrecomputeResponse)
-async def precompute(body: PrecomputeRequest, engine: EngineDep, metrics: MetricsDep):
-    result = await engine.aprecompute([Chunk(c.id, c.text) for c in body.chunks])
+@router.post(
+    "/v1/precompute",
+    response_model=PrecomputeResponse,
+    responses=error_responses(400, 401, 403, 413, 415, 422, 500, 503),
+)
+async def precompute(
+    body: PrecomputeRequest, engine: EngineDep, metrics: MetricsDep, settings: SettingsDep
+):
+    """`stored`: chunks written to the store's last tier (SSD, else memory); `skipped`: there
+    already; `failed`: computed but not written (e.g. a full disk). A chunk longer than a
+    prompt could hold is a 422 naming it, before anything is computed."""
+    check_text_limits(
+        ((f"chunks.{i}.text", c.text) for i, c in enumerate(body.chunks)), settings.max_text_chars
+    )
+    try:
+        result = await engine.aprecompute([Chunk(c.id, c.text) for c in body.chunks])
+    except InvalidRequestError as exc:
+        raise HTTPException(422, detail=str(exc)) from exc
     metrics.precomputed_chunks.labels("stored").inc(result.stored)
     metrics.precomputed_chunks.labels("skipped").inc(result.skipped)
-    return PrecomputeResponse(stored=result.stored, skipped=result.skipped, bytes=result.bytes)
+    metrics.precomputed_chunks.labels("failed").inc(result.failed)
+    return PrecomputeResponse(
+        stored=result.stored, skipped=result.skipped, failed=result.failed, bytes=result.bytes
+    )

@@ -1,12 +1,16 @@
 """GET /health (the gateway process answers), GET /ready (the retriever and at least one
-engine answer) and GET /metrics."""
+engine answer, within about a second whatever they do) and GET /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, HTTPException, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.api.deps import MetricsDep, PipelineDep, RequestIdDep, SettingsDep
+from gateway.api.responses import KEYED, READY_ERRORS
 from gateway.errors import GatewayDependencyError
 
 router = APIRouter(tags=["health"])
@@ -14,33 +18,43 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health")
 async def health(settings: SettingsDep) -> dict:
-    return {"status": "ok", "retriever": settings.retriever_url, "engines": settings.engine_urls}
+    """Status and counts only: no dependency address reaches a client."""
+    return {"status": "ok", "engines": len(settings.engine_urls)}
 
 
-@router.get("/ready")
+@router.get("/ready", responses=READY_ERRORS)
 async def ready(pipeline: PipelineDep, request_id: RequestIdDep) -> dict:
-    """200 when the retriever and at least one engine answer /health; else 503 naming what
-    is down (checked live, so the gateway is ready again as soon as they are back)."""
-    try:
-        retriever = await pipeline.retriever.health(request_id=request_id)
-    except GatewayDependencyError as exc:
-        raise HTTPException(503, detail=f"retriever not ready: {exc}") from exc
-    engines = await pipeline.engines.healthy_urls(request_id=request_id)
-    if not engines:
+    """200 when the retriever and at least one engine answer /health; else 503 saying which
+    is down. Both are probed now, concurrently, each with health_timeout_s, so a hung
+    dependency costs a second, not a request timeout (the probes also refresh the engines'
+    health, so a restarted engine is used at once). `pool` gives each engine's state by its
+    name, never its address."""
+    retriever, engines_up = await asyncio.gather(
+        pipeline.retriever.health(request_id=request_id),
+        pipeline.engines.poll_all(),
+        return_exceptions=True,
+    )
+    if isinstance(retriever, GatewayDependencyError):
+        raise HTTPException(503, detail=f"retriever not ready: {retriever}")
+    if isinstance(retriever, BaseException):
+        raise retriever
+    if isinstance(engines_up, BaseException):
+        raise engines_up
+    engines = pipeline.engines.engines
+    if not engines_up:
+        down = ", ".join(f"{e.name}: {e.reason}" for e in engines)
         raise HTTPException(
             503,
-            detail="engine not ready: none of "
-            + ", ".join(pipeline.engines.urls)
-            + " answers /health",
+            detail=f"engine not ready: none of the {len(engines)} engines answers /health ({down})",
         )
     return {
         "status": "ready",
-        "engines_up": engines,
-        "documents": retriever.get("documents"),
-        "chunks": retriever.get("chunks"),
+        "engines_up": engines_up,
+        "engines": len(engines),
+        "pool": {e.name: e.state() for e in engines},
     }
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=KEYED)
 async def metrics(metrics: MetricsDep) -> Response:
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -15,11 +15,15 @@ from starlette.background import BackgroundTask
 
 from common.sse import sse
 from gateway.api.deps import (
+    ApiKeyDep,
     PipelineDep,
     SettingsDep,
+    key_name,
+    query_collections,
     resolve_max_tokens,
     resolve_top_k,
 )
+from gateway.api.responses import GENERATION_ERRORS, KEYED
 from gateway.api.schemas.openai import (
     ChatChoice,
     ChatCompletionRequest,
@@ -38,10 +42,11 @@ from gateway.api.streaming import (
     collect_unless_disconnected,
     open_generation,
 )
+from gateway.auth import ApiKey
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import Pipeline, TimedStream
 from gateway.settings import GatewaySettings
-from gateway.types import EngineRequest, EngineResult, Source
+from gateway.types import EngineRequest, EngineResult
 
 router = APIRouter(tags=["openai"])
 log = logging.getLogger(__name__)
@@ -51,24 +56,27 @@ FINISH_REASONS = {"stop", "length"}
 ChunkOf = Callable[[str | None, str | None], dict]  # (text delta, finish_reason) -> chunk
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=KEYED)
 async def models(settings: SettingsDep) -> ModelList:
     return ModelList(data=[ModelCard(id=settings.model_name, created=STARTED_AT)])
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+@router.post(
+    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_ERRORS
+)
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
     pipeline: PipelineDep,
     settings: SettingsDep,
+    key: ApiKeyDep,
 ):
     users = [m for m in body.messages if m.role == "user" and m.text.strip()]
     if not users:
         raise HTTPException(422, detail="messages: no user message with text to answer")
     # The engine's prompt has one system text and one question: earlier turns are not sent.
     system = "\n".join(m.text for m in body.messages if m.role in ("system", "developer"))
-    run = await _start(pipeline, body, users[-1].text, system or None, request, settings)
+    run = await _start(pipeline, body, users[-1].text, system or None, request, settings, key)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
 
     def chunk(text: str | None, finish_reason: str | None) -> dict:
@@ -103,14 +111,18 @@ async def chat_completions(
     )
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_ERRORS)
 async def completions(
-    body: CompletionRequest, request: Request, pipeline: PipelineDep, settings: SettingsDep
+    body: CompletionRequest,
+    request: Request,
+    pipeline: PipelineDep,
+    settings: SettingsDep,
+    key: ApiKeyDep,
 ):
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     if len(prompts) != 1 or not prompts[0].strip():
         raise HTTPException(422, detail="prompt: exactly one non-blank prompt is supported")
-    run = await _start(pipeline, body, prompts[0], None, request, settings)
+    run = await _start(pipeline, body, prompts[0], None, request, settings, key)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
 
     def chunk(text: str | None, finish_reason: str | None) -> dict:
@@ -144,11 +156,22 @@ async def _start(
     system: str | None,
     request: Request,
     settings: GatewaySettings,
+    key: ApiKey | None,
 ) -> _Run:
     top_k = resolve_top_k(body.rag.top_k, settings)
-    max_tokens = resolve_max_tokens(body.token_limit, settings)
+    max_tokens = resolve_max_tokens(body.token_limit, settings, pipeline.engines.max_model_len)
+    collections = query_collections(body.rag.collections, key)
+    log.info(
+        "%s top_k=%d collections=%s key=%s", request.url.path, top_k, collections, key_name(key)
+    )
     sources, _ = await pipeline.retrieve(
-        question, top_k, body.rag.doc_ids, request_id=request.state.request_id
+        question,
+        top_k,
+        body.rag.doc_ids,
+        collections,
+        request_id=request.state.request_id,
+        retrieval=body.rag.retrieval,
+        hops=body.rag.hops,
     )
     generation = EngineRequest(
         question=question,
@@ -163,7 +186,7 @@ async def _start(
         system=system,
     )
     stream, stack = await open_generation(pipeline, generation, request)
-    return _Run(stream, stack, sources, body.rag.mode, body.model or settings.model_name)
+    return _Run(stream, stack, generation, collections, body.model or settings.model_name)
 
 
 class _Run:
@@ -173,21 +196,23 @@ class _Run:
         self,
         stream: TimedStream,
         stack: AsyncExitStack,
-        sources: list[Source],
-        mode: str,
+        generation: EngineRequest,
+        collections: list[str] | None,
         model: str,
     ):
-        self.stream, self.stack, self.sources = stream, stack, sources
-        self.mode, self.model = mode, model
+        self.stream, self.stack, self.generation = stream, stack, generation
+        self.collections, self.model = collections, model
         self.created = int(time.time())
 
     def rag_info(self, outcome: EngineResult) -> RagInfo:
         timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
         return RagInfo(
-            sources=[SourceOut.of(s) for s in self.sources],
-            mode=self.mode,
+            sources=[SourceOut.of(s) for s in self.generation.used_sources(outcome.dropped_chunks)],
+            dropped_sources=outcome.dropped_chunks,
+            collections=self.collections,
+            mode=self.generation.mode,
             recomputed_tokens=outcome.usage["recomputed_tokens"],
-            engine=outcome.engine_url,
+            engine=outcome.engine,
             timings={**timings, "gateway_ttft_s": self.stream.ttft_s},
         )
 
@@ -204,7 +229,7 @@ class _Run:
         return StreamingResponse(
             self._chunks(chunk, first, include_usage),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, "X-RAGBlend-Engine": self.stream.engine_url},
+            headers={**SSE_HEADERS, "X-RAGBlend-Engine": self.stream.engine},
             background=BackgroundTask(self.stack.aclose),
         )
 
@@ -222,12 +247,13 @@ class _Run:
             try:
                 async for event in self.stream.events():
                     if isinstance(event, EngineResult):
-                        yield framed(chunk(None, _finish(event)))
+                        finish = chunk(None, _finish(event))
+                        finish["rag"] = self.rag_info(event).model_dump()  # sources, drops
+                        yield framed(finish)
                         if include_usage:
                             last = chunk(None, None)
                             last["choices"] = []
                             last["usage"] = OpenAIUsage.of(event.usage).model_dump()
-                            last["rag"] = self.rag_info(event).model_dump()
                             yield sse(last)
                     elif event.text:
                         yield framed(chunk(event.text, None))

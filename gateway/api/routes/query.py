@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 
 from fastapi import APIRouter, HTTPException, Request
@@ -15,12 +15,16 @@ from starlette.background import BackgroundTask
 from common.errors import error_body
 from common.sse import sse
 from gateway.api.deps import (
+    ApiKeyDep,
     PipelineDep,
     RequestIdDep,
     SettingsDep,
+    key_name,
+    query_collections,
     resolve_max_tokens,
     resolve_top_k,
 )
+from gateway.api.responses import GENERATION_ERRORS
 from gateway.api.schemas.query import QueryRequest, QueryResponse, SourceOut
 from gateway.api.streaming import (
     SSE_HEADERS,
@@ -35,18 +39,27 @@ router = APIRouter(tags=["query"])
 log = logging.getLogger(__name__)
 
 
-@router.post("/v1/query", response_model=QueryResponse)
+@router.post("/v1/query", response_model=QueryResponse, responses=GENERATION_ERRORS)
 async def query(
     body: QueryRequest,
     request: Request,
     pipeline: PipelineDep,
     settings: SettingsDep,
     request_id: RequestIdDep,
+    key: ApiKeyDep,
 ):
     top_k = resolve_top_k(body.top_k, settings)
-    max_tokens = resolve_max_tokens(body.max_tokens, settings)
+    max_tokens = resolve_max_tokens(body.max_tokens, settings, pipeline.engines.max_model_len)
+    collections = query_collections(body.collections, key)
+    log.info("query top_k=%d collections=%s key=%s", top_k, collections, key_name(key))
     sources, retrieval_s = await pipeline.retrieve(
-        body.question, top_k, body.doc_ids, request_id=request_id
+        body.question,
+        top_k,
+        body.doc_ids,
+        collections,
+        request_id=request_id,
+        retrieval=body.retrieval,
+        hops=body.hops,
     )
     generation = EngineRequest(
         question=body.question,
@@ -65,7 +78,7 @@ async def query(
         return QueryResponse.of(
             outcome,
             body.mode,
-            sources,
+            generation.used_sources(outcome.dropped_chunks),
             retrieval_s=retrieval_s,
             ttft_s=stream.ttft_s,
             total_s=time.perf_counter() - request.state.arrived_at,
@@ -76,7 +89,7 @@ async def query(
         return StreamingResponse(
             _events(stream, stack, sources, response),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, "X-RAGBlend-Engine": stream.engine_url},
+            headers={**SSE_HEADERS, "X-RAGBlend-Engine": stream.engine},
             background=BackgroundTask(stack.aclose),
         )
     async with stack:
@@ -87,8 +100,12 @@ async def query(
 
 
 async def _events(
-    stream: TimedStream, stack: AsyncExitStack, sources: list[Source], response
+    stream: TimedStream,
+    stack: AsyncExitStack,
+    sources: list[Source],
+    response: Callable[[EngineResult], QueryResponse],
 ) -> AsyncIterator[str]:
+    """`sources` lists what was retrieved; the `result` lists what the prompt kept."""
     async with stack:
         yield sse({"sources": [SourceOut.of(s).model_dump() for s in sources]}, "sources")
         try:

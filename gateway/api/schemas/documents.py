@@ -27,6 +27,7 @@ class PrecomputeOut(BaseModel):
 
 class DocumentCreated(BaseModel):
     doc_id: str
+    collection: str
     chunk_ids: list[str]
     status: str  # the retriever's: created, replaced or unchanged
     num_tokens: int | None = None
@@ -38,6 +39,7 @@ class DocumentDetail(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     doc_id: str
+    collection: str
     chunks: list[dict[str, Any]]
     precompute: PrecomputeOut
 
@@ -45,10 +47,12 @@ class DocumentDetail(BaseModel):
 class DocumentList(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    collection: str
     documents: list[dict[str, Any]]
     total: int
 
 
 class DocumentDeleted(BaseModel):
     doc_id: str
+    collection: str
     deleted_chunks: int

@@ -3,11 +3,33 @@ plus the `rag` extension field that sets retrieval and blending per request."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.schemas.query import ModeName, SourceOut
+from common.validation import Seed, Text
+from gateway.api.schemas.query import (
+    HOPS_DESCRIPTION,
+    MAX_HOPS,
+    MAX_TEXT_CHARS,
+    RETRIEVAL_DESCRIPTION,
+    Collections,
+    DocIds,
+    ModeName,
+    Ratio,
+    RetrievalName,
+    SourceOut,
+    StopText,
+    TopP,
+)
+
+MAX_MESSAGES = 256
+MAX_CONTENT_PARTS = 64
+MAX_PROMPTS = 16
+# OpenAI's own limit of stop sequences.
+MAX_OPENAI_STOP = 4
+
+MessageText = Annotated[Text, Field(max_length=MAX_TEXT_CHARS)]
 
 
 class RagOptions(BaseModel):
@@ -15,8 +37,13 @@ class RagOptions(BaseModel):
 
     top_k: int | None = Field(None, ge=1)
     mode: ModeName = "cacheblend"
-    recompute_ratio: float | None = Field(None, ge=0, le=1)
-    doc_ids: list[str] | None = Field(None, min_length=1)
+    recompute_ratio: Ratio | None = None
+    doc_ids: DocIds | None = None
+    collections: Collections | None = Field(
+        None, description="search only these (default: all the API key may use)"
+    )
+    retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
+    hops: int = Field(1, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
 
 
 class StreamOptions(BaseModel):
@@ -24,13 +51,15 @@ class StreamOptions(BaseModel):
 
 
 class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
+    type: str = Field(max_length=64)
+    text: MessageText | None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: (
+        MessageText | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None
+    ) = None
 
     @property
     def text(self) -> str:
@@ -43,13 +72,13 @@ class _SamplingRequest(BaseModel):
     # OpenAI clients send fields we have no use for (user, logit_bias…); they are ignored.
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = Field(None, max_length=200)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: TopP = 1.0
     n: int = Field(1, ge=1, le=1, description="one choice per request")
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_OPENAI_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     rag: RagOptions = Field(default_factory=RagOptions)
@@ -66,7 +95,7 @@ class _SamplingRequest(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @property
@@ -75,7 +104,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str]
+    prompt: MessageText | Annotated[list[MessageText], Field(max_length=MAX_PROMPTS)]
     max_tokens: int | None = Field(None, ge=1)
 
     @property
@@ -106,10 +135,12 @@ class OpenAIUsage(BaseModel):
 class RagInfo(BaseModel):
     """The extension in responses: what was retrieved and how the prompt was built."""
 
-    sources: list[SourceOut]
+    sources: list[SourceOut] = Field(description="the sources in the prompt, best first")
+    dropped_sources: int = Field(description="retrieved sources left out so the prompt fit")
+    collections: list[str] | None = Field(description="the collections searched (None: all)")
     mode: ModeName
     recomputed_tokens: int
-    engine: str
+    engine: str = Field(description="name of the engine that answered (engine-0, engine-1…)")
     timings: dict[str, Any]
 
 

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.validation import CollectionName, DocId, Seed, Text
 from gateway.types import EngineResult, Source
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
+# The retriever's search modes (docs/retriever.md, "Hybrid retrieval"); None: its default.
+RetrievalName = Literal["dense", "bm25", "hybrid"]
+RETRIEVAL_DESCRIPTION = "dense, bm25 or hybrid; default: the retriever's `retrieval` setting"
+HOPS_DESCRIPTION = "2: add up to top_k chunks found by the names the first ones mention"
+MAX_HOPS = 2
+# Bounds of what a client may send (the body size limit bounds the rest).
+MAX_TEXT_CHARS = 100_000
+MAX_STOP = 16
+MAX_STOP_CHARS = 1_000
+MAX_DOC_IDS = 1_000
+MAX_COLLECTIONS = 64
+
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+DocIds = Annotated[list[DocId], Field(min_length=1, max_length=MAX_DOC_IDS)]
+Collections = Annotated[list[CollectionName], Field(min_length=1, max_length=MAX_COLLECTIONS)]
+Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
 def not_blank(value: str) -> str:
@@ -20,18 +38,23 @@ def not_blank(value: str) -> str:
 class QueryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(min_length=1, max_length=100_000)
+    question: Text = Field(min_length=1, max_length=MAX_TEXT_CHARS)
     # Upper bounds of top_k and max_tokens are settings, checked in the route.
     top_k: int | None = Field(None, ge=1, description="default: the gateway's default_top_k")
     mode: ModeName = "cacheblend"
-    recompute_ratio: float | None = Field(None, ge=0, le=1, description="None: the controller")
+    recompute_ratio: Ratio | None = Field(None, description="None: the controller")
     max_tokens: int | None = Field(None, ge=1, description="default: default_max_tokens")
-    temperature: float = Field(0.0, ge=0, le=10)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: list[str] | None = None
+    temperature: float = Field(0.0, ge=0, le=10, allow_inf_nan=False)
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stop: list[StopText] | None = Field(None, max_length=MAX_STOP)
     stream: bool = False
-    doc_ids: list[str] | None = Field(None, min_length=1, description="search only these")
+    doc_ids: DocIds | None = Field(None, description="search only these")
+    collections: Collections | None = Field(
+        None, description="search only these (default: all the API key may use)"
+    )
+    retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
+    hops: int = Field(1, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
 
     _question_not_blank = field_validator("question")(not_blank)
 
@@ -39,13 +62,18 @@ class QueryRequest(BaseModel):
 class SourceOut(BaseModel):
     chunk_id: str
     doc_id: str
+    collection: str | None
     score: float
     text: str
 
     @classmethod
     def of(cls, source: Source) -> SourceOut:
         return cls(
-            chunk_id=source.chunk_id, doc_id=source.doc_id, score=source.score, text=source.text
+            chunk_id=source.chunk_id,
+            doc_id=source.doc_id,
+            collection=source.collection,
+            score=source.score,
+            text=source.text,
         )
 
 
@@ -67,11 +95,14 @@ class QueryResponse(BaseModel):
     answer: str
     finish_reason: str
     mode: ModeName
-    sources: list[SourceOut]
+    sources: list[SourceOut] = Field(description="the sources in the prompt, best first")
+    dropped_sources: int = Field(
+        description="retrieved sources left out (the worst) so that the prompt fit the model"
+    )
     usage: UsageOut
     timings: TimingsOut
     blend: dict[str, Any]
-    engine: str = Field(description="URL of the engine that answered")
+    engine: str = Field(description="name of the engine that answered (engine-0, engine-1…)")
     chunk_tiers: list[str | None] = Field(description="per chunk, where its KV came from")
     request_id: str
 
@@ -80,7 +111,7 @@ class QueryResponse(BaseModel):
         cls,
         outcome: EngineResult,
         mode: str,
-        sources: list[Source],
+        used_sources: list[Source],
         *,
         retrieval_s: float,
         ttft_s: float | None,
@@ -92,13 +123,14 @@ class QueryResponse(BaseModel):
             answer=outcome.text,
             finish_reason=outcome.finish_reason,
             mode=mode,
-            sources=[SourceOut.of(s) for s in sources],
+            sources=[SourceOut.of(s) for s in used_sources],
+            dropped_sources=outcome.dropped_chunks,
             usage=UsageOut(**outcome.usage),
             timings=TimingsOut(
                 retrieval_s=retrieval_s, ttft_s=ttft_s, total_s=total_s, engine=engine_timings
             ),
             blend=outcome.blend,
-            engine=outcome.engine_url,
+            engine=outcome.engine,
             chunk_tiers=outcome.chunk_tiers,
             request_id=request_id,
         )

@@ -5,31 +5,54 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from common.validation import DEFAULT_COLLECTION, CollectionName, DocId
 from retriever.api.deps import MetricsDep, ServiceDep, SettingsDep
 from retriever.api.schemas import (
+    MAX_OFFSET,
     DocumentCreateRequest,
     DocumentCreateResponse,
     DocumentDeleteResponse,
     DocumentDetailResponse,
     DocumentListResponse,
     DocumentSummary,
+    error_responses,
 )
 from retriever.catalog import DocumentRecord
-from retriever.extract import ExtractionError, UnsupportedFileTypeError, extract_text
+from retriever.embeddings import EmbeddingStoppedError
+from retriever.extract import (
+    ExtractionError,
+    ExtractionLimitError,
+    UnsupportedFileTypeError,
+    extract_text,
+)
+from retriever.memory import trim_heap
 from retriever.metrics import RetrieverMetrics
-from retriever.service import DocumentInput, EmptyDocumentError, UnknownDocumentError
+from retriever.service import (
+    DocumentInput,
+    DocumentTooLargeError,
+    EmptyDocumentError,
+    UnknownDocumentError,
+)
 from retriever.settings import RetrieverSettings
 
-router = APIRouter(prefix="/v1/documents", tags=["documents"])
+router = APIRouter(
+    prefix="/v1/documents", tags=["documents"], responses=error_responses(401, 403, 422, 503)
+)
 logger = logging.getLogger(__name__)
+
+
+CollectionDep = Annotated[
+    CollectionName, Query(description="the collection the document belongs to")
+]
+DocIdPath = Annotated[DocId, Path(description="the document's id")]
 
 
 def _fail(metrics: RetrieverMetrics, status: int, reason: str, detail: Any) -> HTTPException:
@@ -37,16 +60,16 @@ def _fail(metrics: RetrieverMetrics, status: int, reason: str, detail: Any) -> H
     return HTTPException(status_code=status, detail=detail)
 
 
-async def _read_json(request: Request, metrics: RetrieverMetrics) -> DocumentInput:
+def _parse_json(data: bytes, collection: str, metrics: RetrieverMetrics) -> DocumentInput:
     try:
-        body = DocumentCreateRequest.model_validate_json(await request.body())
+        body = DocumentCreateRequest.model_validate_json(data)
     except ValidationError as exc:
         raise _invalid(metrics, exc) from exc
-    return DocumentInput(text=body.text, metadata=body.metadata, doc_id=body.id)
+    return DocumentInput(body.text, body.metadata, body.id, collection)
 
 
 async def _read_upload(
-    request: Request, settings: RetrieverSettings, metrics: RetrieverMetrics
+    request: Request, collection: str, settings: RetrieverSettings, metrics: RetrieverMetrics
 ) -> DocumentInput:
     """A multipart form: `file` (required), `metadata` (a JSON object), `id`."""
     form = await request.form()
@@ -62,9 +85,13 @@ async def _read_upload(
             metrics, 413, "too_large", f"{filename} exceeds {settings.max_upload_bytes} bytes"
         )
     try:
-        extracted = await run_in_threadpool(extract_text, filename, data)
+        extracted = await run_in_threadpool(
+            extract_text, filename, data, settings.max_document_chars
+        )
     except UnsupportedFileTypeError as exc:
         raise _fail(metrics, 415, "unsupported_type", str(exc)) from exc
+    except ExtractionLimitError as exc:
+        raise _fail(metrics, 413, "too_large", str(exc)) from exc
     except ExtractionError as exc:
         raise _fail(metrics, 422, "unreadable", str(exc)) from exc
     if not extracted.text.strip():
@@ -88,7 +115,7 @@ async def _read_upload(
         )
     except ValidationError as exc:
         raise _invalid(metrics, exc) from exc
-    return DocumentInput(text=extracted.text, metadata=checked.metadata, doc_id=checked.id)
+    return DocumentInput(extracted.text, checked.metadata, checked.id, collection)
 
 
 def _invalid(metrics: RetrieverMetrics, exc: ValidationError) -> RequestValidationError:
@@ -99,6 +126,7 @@ def _invalid(metrics: RetrieverMetrics, exc: ValidationError) -> RequestValidati
 
 def _summary(record: DocumentRecord) -> dict[str, Any]:
     return {
+        "collection": record.collection,
         "doc_id": record.doc_id,
         "metadata": record.metadata,
         "num_chunks": record.num_chunks,
@@ -108,21 +136,58 @@ def _summary(record: DocumentRecord) -> dict[str, Any]:
     }
 
 
-@router.post("", response_model=DocumentCreateResponse)
+# The body is read by hand (JSON or multipart), so its two forms are declared here.
+_CREATE_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": DocumentCreateRequest.model_json_schema()},
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "file": {"type": "string", "format": "binary"},
+                    "metadata": {"type": "string", "description": "a JSON object"},
+                    "id": {"type": "string"},
+                },
+                "required": ["file"],
+            }
+        },
+    },
+}
+
+
+@router.post(
+    "",
+    response_model=DocumentCreateResponse,
+    responses=error_responses(400, 413, 415),
+    openapi_extra={"requestBody": _CREATE_BODY},
+)
 async def create_document(
-    request: Request, service: ServiceDep, settings: SettingsDep, metrics: MetricsDep
+    request: Request,
+    service: ServiceDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    collection: CollectionDep = DEFAULT_COLLECTION,
 ) -> DocumentCreateResponse:
     """Ingest one document: a JSON body {text, metadata?, id?} or a multipart file upload."""
     started = time.perf_counter()
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
-        doc = await _read_upload(request, settings, metrics)
+        doc = await _read_upload(request, collection, settings, metrics)
     else:
-        doc = await _read_json(request, metrics)
+        # Parsing up to max_upload_bytes of JSON takes a while: not on the event loop.
+        doc = await run_in_threadpool(_parse_json, await request.body(), collection, metrics)
     try:
         result = await run_in_threadpool(service.ingest, doc)
     except EmptyDocumentError as exc:
         raise _fail(metrics, 422, "empty", str(exc)) from exc
+    except DocumentTooLargeError as exc:
+        raise _fail(metrics, 413, "too_large", str(exc)) from exc
+    except EmbeddingStoppedError as exc:
+        raise HTTPException(503, detail="the retriever is shutting down") from exc
+    finally:
+        # An ingest's text, tokens and batch buffers are freed now, but glibc keeps the pages.
+        await run_in_threadpool(trim_heap)
     if result.status == "unchanged":
         metrics.documents_unchanged.inc()
     else:
@@ -131,6 +196,7 @@ async def create_document(
     metrics.ingest_latency_s.observe(time.perf_counter() - started)
     logger.info("document %s %s: %d chunks", result.doc_id, result.status, len(result.chunk_ids))
     return DocumentCreateResponse(
+        collection=result.collection,
         doc_id=result.doc_id,
         chunk_ids=result.chunk_ids,
         status=result.status,
@@ -141,20 +207,22 @@ async def create_document(
 @router.get("", response_model=DocumentListResponse)
 async def list_documents(
     service: ServiceDep,
+    collection: CollectionDep = DEFAULT_COLLECTION,
     limit: int = Query(1000, ge=1, le=100_000),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
 ) -> DocumentListResponse:
-    records = await run_in_threadpool(service.list_documents, limit, offset)
-    stats = await run_in_threadpool(service.stats)
+    records, total = await run_in_threadpool(service.list_documents, collection, limit, offset)
     return DocumentListResponse(
-        documents=[DocumentSummary(**_summary(r)) for r in records], total=stats.documents
+        documents=[DocumentSummary(**_summary(r)) for r in records], total=total
     )
 
 
-@router.get("/{doc_id:path}", response_model=DocumentDetailResponse)
-async def get_document(doc_id: str, service: ServiceDep) -> DocumentDetailResponse:
+@router.get("/{doc_id:path}", response_model=DocumentDetailResponse, responses=error_responses(404))
+async def get_document(
+    doc_id: DocIdPath, service: ServiceDep, collection: CollectionDep = DEFAULT_COLLECTION
+) -> DocumentDetailResponse:
     try:
-        record, chunks = await run_in_threadpool(service.get_document, doc_id)
+        record, chunks = await run_in_threadpool(service.get_document, collection, doc_id)
     except UnknownDocumentError as exc:
         raise HTTPException(status_code=404, detail=str(exc)) from exc
     return DocumentDetailResponse(
@@ -173,13 +241,18 @@ async def get_document(doc_id: str, service: ServiceDep) -> DocumentDetailRespon
     )
 
 
-@router.delete("/{doc_id:path}", response_model=DocumentDeleteResponse)
+@router.delete(
+    "/{doc_id:path}", response_model=DocumentDeleteResponse, responses=error_responses(404)
+)
 async def delete_document(
-    doc_id: str, service: ServiceDep, metrics: MetricsDep
+    doc_id: DocIdPath,
+    service: ServiceDep,
+    metrics: MetricsDep,
+    collection: CollectionDep = DEFAULT_COLLECTION,
 ) -> DocumentDeleteResponse:
     try:
-        deleted = await run_in_threadpool(service.delete, doc_id)
+        deleted = await run_in_threadpool(service.delete, collection, doc_id)
     except UnknownDocumentError as exc:
         raise HTTPException(status_code=404, detail=str(exc)) from exc
     metrics.documents_deleted.inc()
-    return DocumentDeleteResponse(doc_id=doc_id, deleted_chunks=deleted)
+    return DocumentDeleteResponse(collection=collection, doc_id=doc_id, deleted_chunks=deleted)

@@ -8,12 +8,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from retriever.api.deps import MetricsDep, ServiceDep
-from retriever.api.schemas import HealthResponse
+from retriever.api.schemas import HealthResponse, error_responses
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health", response_model=HealthResponse)
+@router.get("/health", response_model=HealthResponse, responses=error_responses(503))
 async def health(service: ServiceDep) -> HealthResponse:
     stats = await run_in_threadpool(service.stats)
     return HealthResponse(
@@ -27,7 +27,14 @@ async def health(service: ServiceDep) -> HealthResponse:
     )
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"},
+        **error_responses(503),
+    },
+)
 async def metrics(service: ServiceDep, metrics: MetricsDep) -> Response:
     stats = await run_in_threadpool(service.stats)
     return Response(content=metrics.render(stats), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,341 @@
+"""Retrieval quality on the demo's held-out questions: recall@k per question kind for dense, BM25
+and hybrid retrieval with one or two hops, and end-to-end exact match of the demo model over
+what was retrieved (full prefill and cacheblend).
+
+    .venv/bin/python bench/retrieval_quality.py --questions 150 --threads 2    # ~5 min
+    .venv/bin/python bench/retrieval_quality.py --top-k 1 2 3    # docs/retriever.md, ~25 min
+
+Every question's documents (a passage, or a passage with the pronoun passage that follows it,
+as in bench/quality.py) go into one in-process retriever (RetrieverService, all-MiniLM-L6-v2,
+flat index, 512-token chunks: one chunk per document); each question gets its top-k chunks in
+each retrieval mode and hop count. recall@k: every gold passage is in a retrieved chunk. EM:
+demo.evaluate.answer over the retrieved chunks, in score order ("score": the best first, the
+second hop after the first) and reversed ("best_last": the best chunk next to the question).
+
+The demo draws its names from a pool of 400, so the documents of different questions state
+contradicting facts about the same name ("The city of Pukrir? It is Tobra." in one question's
+documents, "... It is Worgas." in another's). A question is "contradicted" when any fact its
+answer rests on (both hops of a multi-hop question) has two values in the shared corpus; EM is
+also reported over the other questions ("clean"). Writes bench/results/retrieval_quality.csv
+and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.quality import documents  # noqa: E402
+from demo import MODEL_DIR  # noqa: E402
+from demo.corpus import KINDS, Example, held_out  # noqa: E402
+from demo.evaluate import Config, answer  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.types import Mode  # noqa: E402
+from retriever.fusion import RETRIEVAL_MODES  # noqa: E402
+
+log = logging.getLogger("bench.retrieval_quality")
+
+# Reported only, never used to choose anything (the validation seed is 1_000_003).
+TEST_SEED = 2_000_003
+CONFIGS = (Config(Mode.FULL_PREFILL), Config(Mode.CACHEBLEND, 0.15))
+ORDERS = ("score", "best_last")
+# clean_recall: over the questions no contradiction touches (see contradicted()).
+RECALL_FIELDS = [
+    "retrieval",
+    "hops",
+    "top_k",
+    "kind",
+    "questions",
+    "recall",
+    "chunks",
+    "search_ms",
+    "clean_recall",
+]
+EM_FIELDS = [
+    "retrieval",
+    "hops",
+    "top_k",
+    "order",
+    "mode",
+    "kind",
+    "questions",
+    "exact_match",
+    "clean_questions",
+    "clean_exact_match",
+]
+# The demo's fact templates (demo/corpus.py): stated by name, and by pronoun about the subject
+# of the passage before.
+_NAMED_FACT = re.compile(r"The (\w+) of (\w+)\? It is (\w+)\.")
+_PRONOUN_FACT = re.compile(r"(?:Their|Its) (\w+)\? It is (\w+)\.")
+_MULTI_QUESTION = re.compile(r"What is the (\w+) of the city of (\w+)\?")
+_QUESTION = re.compile(r"What is the (\w+) of (\w+)\?")
+
+
+@dataclass(frozen=True)
+class Setting:
+    retrieval: str
+    hops: int
+    top_k: int
+
+
+def corpus_facts(texts: Iterable[str]) -> dict[tuple[str, str], set[str]]:
+    """(relation, subject) -> every value the documents state for it."""
+    facts: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for text in texts:
+        subject = None
+        for passage in text.split("\n\n"):
+            named = _NAMED_FACT.findall(passage)
+            for relation, name, value in named:
+                facts[(relation, name)].add(value)
+            if named:
+                subject = named[0][1]
+            for relation, value in _PRONOUN_FACT.findall(passage):
+                if subject is not None:
+                    facts[(relation, subject)].add(value)
+    return facts
+
+
+def contradicted(example: Example, facts: dict[tuple[str, str], set[str]]) -> bool:
+    """Whether a fact the answer rests on has two values in the corpus."""
+    multi = _MULTI_QUESTION.match(example.question)
+    if multi:
+        relation, person = multi.groups()
+        cities = facts[("city", person)]
+        return len(cities) > 1 or any(len(facts[(relation, c)]) > 1 for c in cities)
+    asked = _QUESTION.match(example.question)
+    assert asked, example.question
+    return len(facts[asked.groups()]) > 1
+
+
+def retrieve(
+    examples: list[Example], settings: list[Setting]
+) -> tuple[dict[Setting, list[list[str]]], dict[Setting, float]]:
+    """Each setting's retrieved chunk texts per question (first hop first), and the mean
+    milliseconds of one of its searches (one at a time, in process)."""
+    from retriever.service import DocumentInput, RetrieverService
+    from retriever.settings import RetrieverSettings
+
+    contexts: dict[Setting, list[list[str]]] = {}
+    search_ms: dict[Setting, float] = {}
+    with tempfile.TemporaryDirectory() as data_dir:
+        service = RetrieverService.open(
+            RetrieverSettings(data_dir=Path(data_dir), index_save_interval_s=3600.0)
+        )
+        try:
+            texts = sorted({doc for e in examples for doc in documents(e)})
+            for text in tqdm(texts, desc="ingest", unit="doc"):
+                service.ingest(DocumentInput(text))
+            for setting in tqdm(settings, desc="search", unit="setting"):
+                started = time.perf_counter()
+                contexts[setting] = [
+                    [
+                        hit.text
+                        for hit in service.search(
+                            e.question,
+                            setting.top_k,
+                            retrieval=setting.retrieval,
+                            hops=setting.hops,
+                        )
+                    ]
+                    for e in examples
+                ]
+                elapsed_s = time.perf_counter() - started
+                search_ms[setting] = 1000 * elapsed_s / len(examples)
+        finally:
+            service.close()
+    return contexts, search_ms
+
+
+def found_all(example: Example, chunks: list[str]) -> bool:
+    return all(any(example.passages[g] in chunk for chunk in chunks) for g in example.gold)
+
+
+def recall_rows(
+    examples: list[Example],
+    contexts: dict[Setting, list[list[str]]],
+    search_ms: dict[Setting, float],
+    clean: list[bool],
+) -> list[dict]:
+    rows = []
+    for setting, chunks in contexts.items():
+        for kind in [*KINDS, "all"]:
+            picked = [
+                (e, c) for e, c in zip(examples, chunks, strict=True) if kind in (e.kind, "all")
+            ]
+            clean_found = [
+                found_all(e, c)
+                for e, c, ok in zip(examples, chunks, clean, strict=True)
+                if ok and kind in (e.kind, "all")
+            ]
+            rows.append(
+                {
+                    "retrieval": setting.retrieval,
+                    "hops": setting.hops,
+                    "top_k": setting.top_k,
+                    "kind": kind,
+                    "questions": len(picked),
+                    "recall": round(statistics.fmean(found_all(e, c) for e, c in picked), 4),
+                    "chunks": round(statistics.fmean(len(c) for _, c in picked), 2),
+                    "search_ms": round(search_ms[setting], 1),
+                    "clean_recall": round(statistics.fmean(clean_found), 4) if clean_found else "",
+                }
+            )
+    return rows
+
+
+def em_rows(
+    engine: Engine,
+    examples: list[Example],
+    chunks: list[list[str]],
+    setting: Setting,
+    order: str,
+    clean: list[bool],
+) -> list[dict]:
+    """EM of every config over one setting's chunks, per kind, over all and clean questions."""
+    scores: dict[str, list[float]] = defaultdict(list)  # config label -> per question
+    for example, context in zip(examples, chunks, strict=True):
+        passages = context[::-1] if order == "best_last" else context
+        outcomes = answer(
+            engine, example.question, example.answer, passages, CONFIGS, measure_deviation=False
+        )
+        for outcome in outcomes:
+            scores[outcome.config.label].append(outcome.exact_match)
+    rows = []
+    for config in CONFIGS:
+        for kind in [*KINDS, "all"]:
+            picked = [
+                (score, ok)
+                for e, ok, score in zip(examples, clean, scores[config.label], strict=True)
+                if kind in (e.kind, "all")
+            ]
+            clean_scores = [score for score, ok in picked if ok]
+            rows.append(
+                {
+                    "retrieval": setting.retrieval,
+                    "hops": setting.hops,
+                    "top_k": setting.top_k,
+                    "order": order,
+                    "mode": config.label,
+                    "kind": kind,
+                    "questions": len(picked),
+                    "exact_match": round(statistics.fmean(score for score, _ in picked), 4),
+                    "clean_questions": len(clean_scores),
+                    "clean_exact_match": (
+                        round(statistics.fmean(clean_scores), 4) if clean_scores else ""
+                    ),
+                }
+            )
+    return rows
+
+
+def recall_table(rows: list[dict]) -> str:
+    lines = [
+        "| retrieval | hops | top_k | chunks | " + " | ".join(KINDS) + " | all | ms/search |",
+        "|---|---|---|---|" + "---|" * (len(KINDS) + 2),
+    ]
+    by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by[(r["retrieval"], r["hops"], r["top_k"])][r["kind"]] = r
+    for (retrieval, hops, top_k), kinds in by.items():
+        cells = " | ".join(f"{kinds[k]['recall']:.2f}" for k in [*KINDS, "all"])
+        total = kinds["all"]
+        lines.append(
+            f"| {retrieval} | {hops} | {top_k} | {total['chunks']:g} | {cells} "
+            f"| {total['search_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def em_table(rows: list[dict]) -> str:
+    lines = [
+        "| retrieval | hops | top_k | order | mode | "
+        + " | ".join(KINDS)
+        + " | all | all, clean questions |",
+        "|---|---|---|---|---|" + "---|" * (len(KINDS) + 2),
+    ]
+    by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        by[(r["retrieval"], r["hops"], r["top_k"], r["order"], r["mode"])][r["kind"]] = r
+    for key, kinds in by.items():
+        cells = " | ".join(f"{kinds[k]['exact_match']:.3f}" for k in [*KINDS, "all"])
+        total = kinds["all"]
+        lines.append(
+            "| " + " | ".join(str(k) for k in key) + f" | {cells} | "
+            f"{total['clean_exact_match']:.3f} ({total['clean_questions']}) |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(MODEL_DIR))
+    parser.add_argument("--questions", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=TEST_SEED, help="held-out seed")
+    parser.add_argument("--top-k", type=int, nargs="+", default=[3])
+    parser.add_argument("--retrieval", nargs="+", choices=RETRIEVAL_MODES, default=RETRIEVAL_MODES)
+    parser.add_argument("--hops", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    parser.add_argument("--orders", nargs="+", choices=ORDERS, default=list(ORDERS))
+    parser.add_argument("--no-em", action="store_true", help="recall only (no demo model)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--csv", type=Path, default=ROOT / "bench/results/retrieval_quality.csv")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+
+    examples = held_out(args.questions, args.seed)
+    facts = corpus_facts({doc for e in examples for doc in documents(e)})
+    clean = [not contradicted(e, facts) for e in examples]
+    for kind in KINDS:
+        of_kind = [ok for e, ok in zip(examples, clean, strict=True) if e.kind == kind]
+        log.info("%s: %d of %d questions uncontradicted", kind, sum(of_kind), len(of_kind))
+    settings = [
+        Setting(r, h, k) for r in args.retrieval for h in sorted(args.hops) for k in args.top_k
+    ]
+    contexts, search_ms = retrieve(examples, settings)
+    recall = recall_rows(examples, contexts, search_ms, clean)
+    ems: list[dict] = []
+    if not args.no_em:
+        engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+        runs = [(s, o) for s in settings for o in args.orders]
+        for setting, order in tqdm(runs, desc="answer", unit="setting"):
+            ems += em_rows(engine, examples, contexts[setting], setting, order, clean)
+
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RECALL_FIELDS)
+        writer.writeheader()
+        writer.writerows(recall)
+    if ems:
+        with args.csv.with_name(args.csv.stem + "_em.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=EM_FIELDS)
+            writer.writeheader()
+            writer.writerows(ems)
+    print(
+        f"\n{args.questions} held-out questions, seed {args.seed}; "
+        f"{sum(clean)} uncontradicted (see the module docstring)\n"
+    )
+    print(recall_table(recall))
+    if ems:
+        print()
+        print(em_table(ems))
+    print(f"\nwrote {args.csv}" + (" and its _em.csv" if ems else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""Scale-out on loopback: aggregate requests/s and TTFT p50/p99 through one gateway over 1, 2 and
+3 engines (each engine pinned to one core, one torch thread) under a fixed closed-loop load, and
+the first-request TTFT of a fresh engine with Redis warm and cold. A benchmark, never a test."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench/results/scale-cpu.csv"
+QUESTIONS = (
+    "What is the job of Goulpu?",
+    "Where does the river flow?",
+    "What grows in the valley?",
+    "Which pass crosses the mountains?",
+    "When is the harvest festival held?",
+    "What do the fishermen sell at the market?",
+)
+# One thread per engine: several engines on one core would otherwise fight over it.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+FIELDS = (
+    "case",
+    "engines",
+    "clients",
+    "requests",
+    "errors",
+    "req_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Stack:
+    """The processes of one run, each `ragblend SERVICE` on a free loopback port, all stopped at
+    the end."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.procs: list[subprocess.Popen] = []
+
+    def start(
+        self,
+        name: str,
+        *args: str,
+        core: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
+        port = free_port()
+        command = [sys.executable, "-m", "ragblend", "--log-level", "WARNING", name]
+        command += ["--host", "127.0.0.1", "--port", str(port), *args]
+        pin: Callable[[], None] | None = None
+        if core is not None:
+
+            def pin() -> None:
+                os.sched_setaffinity(0, {core})
+
+        log = (self.folder / f"{name}-{port}.log").open("wb")
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            preexec_fn=pin,
+        )
+        self.procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_ok(f"{url}/health", proc)
+        return url
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+
+def wait_ok(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"{url}: the process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer 200 in {timeout_s} s")
+
+
+def ingest(gateway: str, folder: Path) -> None:
+    """The sample documents, each waited on until its precompute is no longer pending."""
+    from retriever.extract import extract_text, is_supported
+
+    with httpx.Client(base_url=gateway, timeout=600) as http:
+        ids = []
+        for path in sorted(p for p in folder.iterdir() if is_supported(p.name)):
+            text = extract_text(path.name, path.read_bytes()).text
+            response = http.post("/v1/documents", json={"text": text, "id": path.stem})
+            response.raise_for_status()
+            ids.append(path.stem)
+        for doc_id in ids:
+            while http.get(f"/v1/documents/{doc_id}").json()["precompute"]["status"] == "pending":
+                time.sleep(0.2)
+
+
+async def one_query(http: httpx.AsyncClient, body: dict) -> float | None:
+    """TTFT (first `delta`) of one streamed query, None when it failed."""
+    start = time.perf_counter()
+    ttft_s = None
+    try:
+        async with http.stream("POST", "/v1/query", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return None
+            event = None
+            async for line in response.aiter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "delta" and ttft_s is None:
+                    ttft_s = time.perf_counter() - start
+                elif line.startswith("data: ") and event == "error":
+                    return None
+    except httpx.HTTPError:
+        return None
+    return ttft_s
+
+
+async def closed_loop(gateway: str, clients: int, duration_s: float, args) -> dict:
+    """`clients` loops, each sending its next query as soon as the last one ended."""
+    ttfts: list[float] = []
+    errors = 0
+    end = time.monotonic() + duration_s
+
+    async def client(index: int) -> None:
+        nonlocal errors
+        async with httpx.AsyncClient(base_url=gateway, timeout=120) as http:
+            i = index
+            while time.monotonic() < end:
+                body = {
+                    "question": QUESTIONS[i % len(QUESTIONS)],
+                    "top_k": args.top_k,
+                    "max_tokens": args.max_tokens,
+                    "stream": True,
+                }
+                ttft_s = await one_query(http, body)
+                if ttft_s is None:
+                    errors += 1
+                else:
+                    ttfts.append(ttft_s)
+                i += clients
+
+    started = time.monotonic()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    elapsed_s = time.monotonic() - started
+    return {
+        "requests": len(ttfts),
+        "errors": errors,
+        "req_per_s": round(len(ttfts) / elapsed_s, 3),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+    }
+
+
+def percentile(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def start_redis(folder: Path) -> int | None:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    port = free_port()
+    command = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(folder)]
+    subprocess.Popen([*command, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while redis_call(port, b"PING") != b"+PONG" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return port
+
+
+def redis_call(port: int, command: bytes) -> bytes:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+            sock.sendall(command + b"\r\n")
+            return sock.recv(64).strip()
+    except OSError:
+        return b""
+
+
+def first_request_ttft(stack: Stack, retriever: str, engine_args: list[str], env, args) -> float:
+    """A fresh engine (empty local tiers) and a gateway over it; the first query's TTFT."""
+    engine = stack.start("engine", *engine_args, core=0, env=env)
+    gateway = stack.start("gateway", "--retriever-url", retriever, "--engine-urls", engine)
+    body = {"question": QUESTIONS[0], "top_k": args.top_k, "max_tokens": 4, "stream": True}
+
+    async def ask() -> float | None:
+        async with httpx.AsyncClient(base_url=gateway, timeout=120) as http:
+            return await one_query(http, body)
+
+    ttft_s = asyncio.run(ask())
+    if ttft_s is None:
+        raise SystemExit("the first query of the fresh engine failed")
+    return round(ttft_s, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint (default: the bundled demo model)")
+    parser.add_argument("--documents", help="folder ingested (default: the sample documents)")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--duration-s", type=float, default=20.0, help="load per engine count")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--csv", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    from demo import DOCUMENTS_DIR, MODEL_DIR
+
+    model = args.model or str(MODEL_DIR)
+    documents = Path(args.documents) if args.documents else DOCUMENTS_DIR
+    cores = sorted(os.sched_getaffinity(0))
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="ragblend-scale-") as scratch:
+        folder = Path(scratch)
+        stack = Stack(folder)
+        redis_port = start_redis(folder)
+        remote = {"RAGBLEND_ENGINE_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0"}
+        engine_env = {**ONE_THREAD, **(remote if redis_port else {})}
+        try:
+            retriever = stack.start(
+                "retriever", "--data-dir", str(folder / "retriever"), "--tokenizer", model
+            )
+            engines = [
+                stack.start(
+                    "engine",
+                    "--model",
+                    model,
+                    "--store-path",
+                    str(folder / f"kv-{i}"),
+                    core=cores[i % len(cores)],
+                    env=engine_env,
+                )
+                for i in range(3)
+            ]
+            everyone = stack.start(
+                "gateway", "--retriever-url", retriever, "--engine-urls", ",".join(engines)
+            )
+            ingest(everyone, documents)
+            for count in (1, 2, 3):
+                gateway = stack.start(
+                    "gateway",
+                    "--retriever-url",
+                    retriever,
+                    "--engine-urls",
+                    ",".join(engines[:count]),
+                )
+                asyncio.run(closed_loop(gateway, args.clients, 3.0, args))  # warm-up
+                result = asyncio.run(closed_loop(gateway, args.clients, args.duration_s, args))
+                rows.append(
+                    {"case": "closed loop", "engines": count, "clients": args.clients, **result}
+                )
+                print(json.dumps(rows[-1]), flush=True)
+            shared = httpx.get(f"{engines[0]}/health", timeout=5).json().get("shared_kv") is True
+            for case in ("fresh engine, Redis warm", "fresh engine, Redis cold"):
+                row = {"case": case, "engines": 1, "clients": 1}
+                if shared:
+                    if case.endswith("cold"):
+                        redis_call(redis_port, b"FLUSHALL")
+                    fresh = ["--model", model, "--store-path", str(folder / f"kv-{case[-4:]}")]
+                    ttft_s = first_request_ttft(stack, retriever, fresh, engine_env, args)
+                    row.update(requests=1, errors=0, ttft_p50_s=ttft_s)
+                else:
+                    row["req_per_s"] = "not measured: the engines report no shared KV tier"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            stack.stop()
+            if redis_port:
+                redis_call(redis_port, b"SHUTDOWN NOSAVE")
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(table(rows, args, len(cores)))
+
+
+def table(rows: list[dict], args, cores: int) -> str:
+    lines = [
+        f"{args.clients} closed-loop clients, {args.duration_s:.0f} s per engine count, top_k "
+        f"{args.top_k}, max_tokens {args.max_tokens}; {cores} cores; each engine on one core",
+        "",
+        "| case | engines | requests | errors | req/s | TTFT p50 (s) | TTFT p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        cells = [row.get(k, "") for k in FIELDS if k != "clients"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

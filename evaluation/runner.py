@@ -1,0 +1,122 @@
+"""Answers one question in every setting (mode and recompute ratio) with an in-process engine,
+scoring each answer and its KV cache against the gold answers and against full prefill."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.engine import Engine
+from engine.types import Chunk, GenerateRequest, Mode
+from evaluation.dataset import Record
+from evaluation.deviation import kv_deviation
+from evaluation.metrics import best, exact_match, f1_score, rouge_l
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way of building the prompt's KV: a mode and, for cacheblend, its ratio."""
+
+    mode: Mode
+    recompute_ratio: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode is Mode.CACHEBLEND:
+            return f"cacheblend@{self.recompute_ratio:g}"
+        return self.mode.value
+
+
+REFERENCE = Setting(Mode.FULL_PREFILL)
+
+
+def settings_for(modes: Sequence[Mode], ratios: Sequence[float]) -> list[Setting]:
+    """Full prefill first (every other setting is compared with it), then each mode in the given
+    order, cacheblend once per ratio."""
+    settings = [REFERENCE]
+    for mode in dict.fromkeys(modes):
+        if mode is Mode.CACHEBLEND:
+            settings.extend(Setting(mode, r) for r in dict.fromkeys(ratios))
+        elif mode is not Mode.FULL_PREFILL:
+            settings.append(Setting(mode))
+    return settings
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One question answered in one setting."""
+
+    record_id: str
+    kind: str | None
+    setting: Setting
+    prediction: str
+    exact_match: float
+    f1: float
+    rouge_l: float
+    agreement: float  # 1.0: the same answer as full prefill, right or wrong
+    kv_deviation: float  # relative squared deviation of chunk-token K/V from full prefill
+    ttft_s: float
+
+
+def as_chunks(passages: Sequence[str]) -> tuple[Chunk, ...]:
+    return tuple(Chunk(hashlib.sha256(p.encode()).hexdigest()[:16], p) for p in passages)
+
+
+def request_for(
+    record: Record, passages: Sequence[str], setting: Setting, max_tokens: int
+) -> GenerateRequest:
+    return GenerateRequest(
+        question=record.question,
+        chunks=as_chunks(passages),
+        mode=setting.mode,
+        recompute_ratio=setting.recompute_ratio,
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
+
+
+def answer_record(
+    engine: Engine,
+    record: Record,
+    passages: Sequence[str],
+    settings: Sequence[Setting],
+    max_tokens: int,
+) -> list[Outcome]:
+    """Answer `record` in every setting (settings[0] is full prefill); the chunks' KV is
+    precomputed first, so TTFT is that of chunks cached in RAM."""
+    assert settings[0] == REFERENCE, "settings_for() puts full prefill first"
+    assert record.id is not None, "load_dataset() gives every record an id"
+    engine.precompute(as_chunks(passages))
+    reference = engine.prefill(request_for(record, passages, REFERENCE, max_tokens))
+    outcomes: list[Outcome] = []
+    for setting in settings:
+        request = request_for(record, passages, setting, max_tokens)
+        deviation = 0.0
+        if setting != REFERENCE:
+            prefill = engine.prefill(request)
+            deviation = kv_deviation(
+                prefill.output.keys,
+                prefill.output.values,
+                reference.output.keys,
+                reference.output.values,
+                reference.layout.chunk_spans,
+            )
+        result = engine.generate(request)
+        prediction = result.text.strip()
+        reference_prediction = outcomes[0].prediction if outcomes else prediction
+        outcomes.append(
+            Outcome(
+                record_id=record.id,
+                kind=record.kind,
+                setting=setting,
+                prediction=prediction,
+                exact_match=best(exact_match, prediction, record.answers),
+                f1=best(f1_score, prediction, record.answers),
+                rouge_l=best(rouge_l, prediction, record.answers),
+                agreement=float(prediction == reference_prediction),
+                kv_deviation=deviation,
+                ttft_s=result.timings.ttft_s,
+            )
+        )
+    return outcomes

@@ -1,0 +1,377 @@
+"""The remote tier: chunk KV in Redis, shared by every engine, in the SSD format's header and
+per-layer checksums, behind a circuit breaker so that a Redis down or slow costs only a miss."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvstore import codec, tiers
+from kvstore import format as kvformat
+from kvstore.errors import KVCorruptError, KVEntryError
+from kvstore.types import ChunkKV, TierStats, validate_key
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "ragblend:kv:"
+HEADER_FIELD = "h"  # the header's field in an entry's hash; layer i is the field str(i)
+SCHEMES = ("redis", "rediss")
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+OK = "ok"
+UNREACHABLE = "unreachable"
+
+T = TypeVar("T")
+
+
+class RemoteTierError(OSError):
+    """A Redis operation failed or was not tried (the tier is backing off); the message names
+    the kind of failure, never the URL's password. The stream loader treats it as an I/O error.
+    `answered`: Redis was reached and refused the command (e.g. OOM under `noeviction`), as
+    opposed to being unreachable, slow or skipped."""
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class RemoteEntryGoneError(KVEntryError):
+    """An entry's layer vanished after its header was read (Redis evicted the entry): a miss."""
+
+
+def check_url(url: str) -> str:
+    """`url` when it is a redis:// or rediss:// URL with a host, else ValueError (the password,
+    if any, left out of the message)."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES or not parts.hostname:
+        raise ValueError(
+            f"{redact_url(url)!r} is not a Redis URL: use redis://host:port/db or rediss://..."
+        )
+    try:
+        parts.port  # noqa: B018 - parsing it is the check: a port out of range raises
+    except ValueError as exc:
+        raise ValueError(f"{redact_url(url)!r} has a bad port") from exc
+    return url
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by ***, for logs and /health."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _describe(error: BaseException) -> str:
+    """The kind of a Redis failure; redis-py's messages name host and port, never a password."""
+    return f"{type(error).__name__}: {error}"
+
+
+class RemoteEntryReader:
+    """An entry whose header was read and verified; reads one layer per HGET into a whole-entry
+    buffer laid out like an SSD entry's data, so that once every layer is read the buffer is the
+    entry (`chunk_kv`), as for SSD promotion."""
+
+    tier = tiers.REMOTE
+
+    def __init__(self, owner: RemoteTier, key: str, header: kvformat.EntryHeader) -> None:
+        self.key = key
+        self.header = header
+        self.num_layers = header.num_layers
+        self._owner = owner
+        self._buffer: torch.Tensor | None = None
+        self._layers_read: set[int] = set()
+
+    def read_layer(self, layer: int) -> kvformat.LayerData:
+        """K and V of `layer` (a pair, or a QuantizedPair for an encoded entry) as views of the
+        buffer. RemoteTierError when Redis fails, RemoteEntryGoneError when the entry was
+        evicted meanwhile, KVCorruptError when the value's length or checksum is wrong."""
+        header = self.header
+        raw = self._owner.get_layer(self.key, layer)
+        if raw is None:
+            raise RemoteEntryGoneError(f"layer {layer} of {self.key} is gone (evicted)")
+        if len(raw) != layer_nbytes(header):
+            raise KVCorruptError(
+                f"layer {layer} of {self.key} has {len(raw)} bytes, {layer_nbytes(header)} expected"
+            )
+        stride = header.layer_stride
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.num_layers * stride, dtype=torch.uint8)
+        block = self._buffer[layer * stride : (layer + 1) * stride]
+        np.copyto(block[: len(raw)].numpy(), np.frombuffer(raw, dtype=np.uint8))  # one copy
+        pair = kvformat.decode_layer(header, layer, block)
+        self._layers_read.add(layer)
+        return pair
+
+    def chunk_kv(self) -> ChunkKV | None:
+        """The whole entry in its original dtype once every layer was read, else None."""
+        if self._buffer is None or len(self._layers_read) < self.num_layers:
+            return None
+        return kvformat.decode_entry(self.header, self._buffer)
+
+    def close(self) -> None:
+        """Nothing to release: the buffer goes with the reader."""
+
+
+def layer_nbytes(header: kvformat.EntryHeader) -> int:
+    """Bytes of one layer's value: the SSD layout of the layer (K, V, the gap before the
+    scales, K and V scales) without its trailing padding to 4096."""
+    return header.scales_offset + 2 * header.scale_nbytes
+
+
+class RemoteTier:
+    """Entries in Redis, one hash per entry: `ragblend:kv:<model hash>:<key>` with the header in
+    field `h` and layer i in field `i`. Thread-safe (redis-py's connection pool).
+
+    Nothing is cached locally: `key in tier` asks Redis (HEXISTS). The header is written last,
+    so a reader never sees a header without its layers. Entries carry no TTL: Redis evicts
+    whole hashes under `maxmemory-policy allkeys-lru`, and an entry evicted while being read is
+    a miss from that layer on.
+
+    Circuit breaker: a connection error or timeout marks Redis unreachable; for a back-off
+    (`backoff_s`, doubling up to `max_backoff_s`) every operation is a miss or a failed write
+    without asking Redis, then one caller tries again, and a success closes the breaker.
+    """
+
+    name = tiers.REMOTE
+
+    def __init__(
+        self,
+        url: str,
+        model_fingerprint: str,
+        encoding: str = "none",
+        timeout_s: float = 0.5,
+        backoff_s: float = BACKOFF_START_S,
+        max_backoff_s: float = BACKOFF_MAX_S,
+    ) -> None:
+        if timeout_s <= 0 or backoff_s <= 0 or max_backoff_s < backoff_s:
+            raise ValueError(f"need timeout_s > 0, 0 < backoff_s <= max_backoff_s: {timeout_s=}")
+        self.url = redact_url(check_url(url))
+        self.encoding = codec.check_encoding(encoding)  # of new entries; any encoding reads
+        self.model_fingerprint = model_fingerprint
+        model_hash = hashlib.sha256(model_fingerprint.encode()).hexdigest()[:16]
+        self._prefix = f"{PREFIX}{model_hash}:"
+        # No retries inside redis-py: the breaker decides when Redis is asked again.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+        )
+        if self._client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("the Redis URL must not set decode_responses: KV values are bytes")
+        self._first_backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._backoff_s = backoff_s
+        self._down_until: float | None = None  # monotonic time of the next try; None: up
+        self._probing = False  # one caller is trying Redis again after the back-off
+        self._last_error: str | None = None
+        self._stats = TierStats(entries=None, bytes=None, budget_bytes=None)
+        self._listeners: list[Callable[[str, float], None]] = []
+        self._lock = threading.Lock()
+
+    def redis_key(self, key: str) -> str:
+        """The Redis key of chunk `key`'s hash."""
+        return self._prefix + validate_key(key)
+
+    def add_latency_listener(self, listener: Callable[[str, float], None]) -> None:
+        """`listener(op, seconds)` is called after every Redis operation (the engine's metrics)."""
+        self._listeners.append(listener)
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def reachable(self) -> bool:
+        """False while the breaker is open (the last try failed)."""
+        with self._lock:
+            return self._down_until is None
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the last failed operation failed, until one succeeds."""
+        with self._lock:
+            return self._last_error
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (skipped, False, during a back-off)."""
+        try:
+            return bool(self._call("ping", self._client.ping))
+        except RemoteTierError:
+            return False
+
+    # -- the Tier protocol -----------------------------------------------------------------
+
+    def __contains__(self, key: str) -> bool:
+        name = self.redis_key(key)
+        try:
+            return bool(self._call("exists", lambda: self._client.hexists(name, HEADER_FIELD)))
+        except RemoteTierError:
+            return False
+
+    def open(self, key: str) -> RemoteEntryReader | None:
+        """A reader with a verified header (a hit), or None: a miss, Redis failing or backing
+        off, or a bad header (counted corrupt, the entry deleted)."""
+        try:
+            raw = self._hget(key, HEADER_FIELD)
+        except RemoteTierError:
+            raw = None
+        if raw is None:
+            self._count(misses=1)
+            return None
+        try:
+            header = kvformat.parse_header(raw, self.model_fingerprint, key)
+            if len(raw) != header.data_offset:
+                raise KVCorruptError(f"header has {len(raw)} bytes, {header.data_offset} expected")
+        except KVEntryError as exc:
+            self.report_corrupt(key, exc)
+            self._count(misses=1)
+            return None
+        self._count(hits=1)
+        return RemoteEntryReader(self, key, header)
+
+    def get_layer(self, key: str, layer: int) -> bytes | None:
+        """Layer `layer`'s value of entry `key`, None when it is gone; RemoteTierError."""
+        return self._hget(key, str(layer))
+
+    def _hget(self, key: str, field: str) -> bytes | None:
+        name = self.redis_key(key)
+        return cast("bytes | None", self._call("get", lambda: self._client.hget(name, field)))
+
+    def get(self, key: str) -> ChunkKV | None:
+        """The whole entry, every layer verified, or None (a miss; a bad entry is deleted)."""
+        reader = self.open(key)
+        if reader is None:
+            return None
+        try:
+            for layer in range(reader.num_layers):
+                reader.read_layer(layer)
+        except (KVEntryError, OSError) as exc:
+            self.report_error(key, exc)
+            return None
+        return reader.chunk_kv()
+
+    def put(self, key: str, kv: ChunkKV) -> list[str]:
+        """Write `kv` (host tensors) in the tier's encoding: every layer in one pipeline, then,
+        once Redis took them all, the header. Evicts nothing itself (Redis does); returns [].
+        RemoteTierError when Redis fails or the tier is backing off, ValueError for KV the
+        encoding cannot hold."""
+        encoded = kvformat.encode(kv, self.encoding)
+        header, header_bytes = kvformat.build_header(key, self.model_fingerprint, encoded)
+        gap = bytes(header.scales_offset - 2 * header.kv_nbytes)
+        name = self.redis_key(key)
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=False)
+            for i in range(header.num_layers):
+                k, v, *scales = encoded.layer_parts(i)
+                pipe.hset(name, str(i), b"".join([k, v, gap, *scales]))
+            pipe.execute()  # raises if Redis refused any layer: then no header is written
+            self._client.hset(name, HEADER_FIELD, header_bytes)  # the entry exists from now on
+
+        self._call("put", write)
+        self._count(bytes_written=len(header_bytes) + header.num_layers * layer_nbytes(header))
+        return []
+
+    def discard(self, key: str) -> bool:
+        """Delete the entry; whether Redis had it (False when Redis cannot be asked)."""
+        try:
+            return bool(self._call("delete", lambda: self._client.unlink(self.redis_key(key))))
+        except RemoteTierError:
+            return False
+
+    def report_error(self, key: str, error: BaseException) -> None:
+        """A read of `key` failed with `error`: a bad value is counted corrupt and deleted; an
+        evicted one is a miss; a Redis failure (already counted by the breaker) changes nothing."""
+        if isinstance(error, RemoteEntryGoneError):
+            logger.info("remote entry %s was evicted while being read; a miss", key)
+            self._count(misses=1)
+        elif isinstance(error, KVEntryError):
+            self.report_corrupt(key, error)
+
+    def report_corrupt(self, key: str, error: BaseException) -> None:
+        """Count a bad entry and delete it (a later lookup is a miss)."""
+        logger.warning("remote entry %s is unusable, deleting it: %s", key, error)
+        self._count(corrupt=1)
+        self.discard(key)
+
+    def stats(self) -> TierStats:
+        """Hits, misses, corrupt entries and bytes written by this process; entries, bytes and
+        budget are Redis's and unknown here (None)."""
+        with self._lock:
+            stats = TierStats(**vars(self._stats))
+            stats.reachable = self._down_until is None
+            stats.last_error = self._last_error
+            return stats
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- the breaker -----------------------------------------------------------------------
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        """Run one Redis operation unless the breaker is open; a connection error or timeout
+        opens it, any success closes it. Raises RemoteTierError for every failure."""
+        with self._lock:
+            if self._down_until is not None:
+                if self._probing or time.monotonic() < self._down_until:
+                    raise RemoteTierError(f"Redis unreachable (backing off): {self._last_error}")
+                self._probing = True  # this caller tries; the others still skip Redis
+        start = time.perf_counter()
+        try:
+            result = fn()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            self._trip(exc)
+            raise RemoteTierError(_describe(exc)) from exc
+        except redis.RedisError as exc:  # Redis answered with an error (e.g. OOM): reachable
+            self._recovered(_describe(exc))
+            raise RemoteTierError(_describe(exc), answered=True) from exc
+        finally:
+            seconds = time.perf_counter() - start
+            for listener in self._listeners:
+                listener(op, seconds)
+        self._recovered(None)
+        return result
+
+    def _trip(self, error: BaseException) -> None:
+        with self._lock:
+            was_up = self._down_until is None
+            if not was_up:
+                self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+            self._down_until = time.monotonic() + self._backoff_s
+            self._probing = False
+            self._last_error = _describe(error)
+            backoff_s = self._backoff_s
+        log = logger.warning if was_up else logger.info
+        log("Redis at %s unreachable (%s); next try in %.0f s", self.url, error, backoff_s)
+
+    def _recovered(self, error: str | None) -> None:
+        with self._lock:
+            was_down = self._down_until is not None
+            self._down_until = None
+            self._probing = False
+            self._backoff_s = self._first_backoff_s
+            self._last_error = error
+        if was_down:
+            logger.warning("Redis at %s is reachable again", self.url)
+
+    def _count(self, hits: int = 0, misses: int = 0, corrupt: int = 0, bytes_written: int = 0):
+        with self._lock:
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.corrupt += corrupt
+            self._stats.bytes_written += bytes_written

@@ -1,0 +1,48 @@
+"""The queue-wait estimate of /health: plain arithmetic on counts and measured step speeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.estimate import QueueEstimate
+
+
+def measured(prefill_tokens_per_s: float = 1000.0, decode_step_s: float = 0.01) -> QueueEstimate:
+    estimate = QueueEstimate()
+    estimate.observe(True, int(prefill_tokens_per_s), 1.0)
+    estimate.observe(False, 4, decode_step_s)
+    return estimate
+
+
+def test_an_idle_engine_has_no_wait():
+    assert (
+        measured().wait_s(waiting_tokens=0, waiting_seqs=0, running_remaining=[], free_slots=4)
+        == 0.0
+    )
+
+
+def test_prompts_waiting_ahead_cost_their_prefill_and_the_decode_steps_between():
+    wait = measured().wait_s(
+        waiting_tokens=2000, waiting_seqs=2, running_remaining=[50], free_slots=3
+    )
+    # 2 s of prefill, then a decode step after each of the 2 prefills and after the newest.
+    assert wait == pytest.approx(2.0 + 3 * 0.01)
+
+
+def test_with_every_slot_taken_the_request_waits_for_a_running_sequence_to_end():
+    wait = measured().wait_s(
+        waiting_tokens=0, waiting_seqs=0, running_remaining=[300, 120], free_slots=0
+    )
+    assert wait == pytest.approx(120 * 0.01)
+
+
+def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
+    estimate = QueueEstimate()
+    assert (
+        estimate.wait_s(waiting_tokens=500, waiting_seqs=1, running_remaining=[10], free_slots=1)
+        == 0.0
+    )
+    estimate.observe(False, 1, 0.01)
+    for _ in range(50):
+        estimate.observe(False, 1, 0.05)
+    assert estimate.decode_step_s == pytest.approx(0.05, rel=1e-3)

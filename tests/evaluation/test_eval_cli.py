@@ -1,0 +1,110 @@
+"""`ragblend eval` end to end as a real process on demo questions and the demo model: the
+outputs exist and agree with the blend's invariants; bad input exits non-zero with a message."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from demo import MODEL_DIR
+from evaluation.dataset import Record
+from ragblend.cli import build_parser
+from tests.service_process import service_env
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KINDS = ("single", "multi", "context")
+
+
+@pytest.fixture(scope="module")
+def demo_set(tmp_path_factory) -> Path:
+    """Six held-out demo questions, two of each kind, as written by the converter."""
+    path = tmp_path_factory.mktemp("eval-data") / "demo.jsonl"
+    done = subprocess.run(
+        [sys.executable, "scripts/convert_dataset.py", "demo", "--count", "6", "-o", str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+def test_eval_writes_outputs_where_full_prefill_agrees_with_itself_and_r1_equals_it(
+    demo_set, tmp_path
+):
+    out = tmp_path / "out"
+    command = [
+        *(sys.executable, "-m", "ragblend", "eval", str(demo_set)),
+        *("--model", str(MODEL_DIR), "--out", str(out), "--max-tokens", "12"),
+        *("--modes", "full_reuse", "cacheblend", "--ratios", "0.15", "1"),
+    ]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=service_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cacheblend@0.15" in done.stdout and "by kind of question" in done.stdout
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["questions"] == 6
+    assert summary["settings"] == ["full_prefill", "full_reuse", "cacheblend@0.15", "cacheblend@1"]
+    rows = {(r["setting"], r["kind"]): r for r in summary["rows"]}
+    assert set(rows) == {(s, k) for s in summary["settings"] for k in ("all", *KINDS)}
+    full, r1 = rows["full_prefill", "all"], rows["cacheblend@1", "all"]
+    assert full["agreement"] == 1.0 and full["kv_deviation"] == 0.0
+    assert r1["agreement"] == 1.0 and r1["kv_deviation"] < 1e-9
+    for score in ("exact_match", "f1", "rouge_l"):
+        assert r1[score] == full[score]
+    assert rows["full_reuse", "all"]["kv_deviation"] > 0.01  # no cross-chunk attention at all
+    assert full["exact_match"] > 0.5  # the demo model reads its passages
+    assert full["ttft_median_ms"] > 0 and full["ttft_p90_ms"] >= full["ttft_median_ms"]
+
+    with (out / "summary.csv").open() as file:
+        table = list(csv.DictReader(file))
+    assert len(table) == len(summary["rows"])
+    assert {r["recompute_ratio"] for r in table if r["mode"] == "cacheblend"} == {"0.15", "1.0"}
+    predictions = [
+        json.loads(line) for line in (out / "predictions.jsonl").read_text().split("\n") if line
+    ]
+    assert len(predictions) == 6 * 4
+    by_question = {}
+    for p in predictions:
+        by_question.setdefault(p["record_id"], {})[(p["mode"], p["recompute_ratio"])] = p
+    for answers in by_question.values():
+        assert (
+            answers["cacheblend", 1.0]["prediction"] == answers["full_prefill", None]["prediction"]
+        )
+    assert (out / "quality_vs_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*argv: str) -> int:
+    args = build_parser().parse_args(["eval", *argv])
+    return args.run(args)
+
+
+def test_a_bad_dataset_line_exits_2_naming_line_and_field(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    good = Record(question="Q?", passages=["p"], answers=["a"]).model_dump_json()
+    path.write_text(good + "\n" + '{"question": "Q?", "passages": ["p"]}\n')
+    assert run_cli(str(path), "--model", str(MODEL_DIR), "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "ragblend eval: error:" in err and "bad.jsonl:2: answers: Field required" in err
+    assert not (tmp_path / "summary.csv").exists()
+
+
+def test_bad_options_exit_2_naming_the_flag(tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text(Record(question="Q?", passages=["p"], answers=["a"]).model_dump_json() + "\n")
+    assert run_cli(str(path), "--model", str(MODEL_DIR), "--ratios", "0.1", "1.5") == 2
+    assert "--ratios: Input should be less than or equal to 1" in capsys.readouterr().err
+    assert run_cli(str(path), "--model", str(MODEL_DIR), "--corpus", str(path)) == 2
+    assert (
+        "--corpus: Value error, a corpus is only used with retrieval on" in capsys.readouterr().err
+    )
+    assert run_cli(str(path), "--model", str(tmp_path / "no-model"), "--no-plot") == 2
+    assert "no-model" in capsys.readouterr().err
