@@ -140,7 +140,7 @@ def data_row(dist: str, vectors: np.ndarray, queries: np.ndarray) -> dict:
 
 def variants(size: int, args: argparse.Namespace) -> list[tuple[IndexParams, list[IndexParams]]]:
     """(build parameters, the search settings tried on that build), for the kinds asked."""
-    hnsw = [(32, 80)] if args.quick else [(16, 80), (32, 80)]
+    hnsw = args.hnsw or ([(32, 80)] if args.quick else [(16, 80), (32, 80)])
     nlist = 1024
     out = [(IndexParams("flat", DIM), [IndexParams("flat", DIM)])]
     for m, efc in hnsw:
@@ -248,6 +248,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one HNSW build instead of two")
     parser.add_argument("--kinds", nargs="+", default=["hnsw", "ivf", "ivfpq"])
     parser.add_argument("--ef", type=int, nargs="+", help="HNSW efSearch values to try")
+    parser.add_argument(
+        "--hnsw",
+        type=lambda text: tuple(int(v) for v in text.split(":")),
+        nargs="+",
+        metavar="M:EFC",
+        help="HNSW builds to try, as M:efConstruction (default 16:80 32:80)",
+    )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(message)s")

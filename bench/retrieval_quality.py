@@ -4,20 +4,27 @@ what was retrieved (full prefill and cacheblend).
 
     .venv/bin/python bench/retrieval_quality.py --questions 150 --threads 2    # ~5 min
     .venv/bin/python bench/retrieval_quality.py --top-k 1 2 3    # docs/retriever.md, ~25 min
+    .venv/bin/python bench/retrieval_quality.py --corpus shared    # one corpus of every question
 
-Every question's documents (a passage, or a passage with the pronoun passage that follows it,
-as in bench/quality.py) go into one in-process retriever (RetrieverService, all-MiniLM-L6-v2,
-flat index, 512-token chunks: one chunk per document); each question gets its top-k chunks in
-each retrieval mode and hop count. recall@k: every gold passage is in a retrieved chunk. EM:
+Questions' documents (a passage, or a passage with the pronoun passage that follows it, as in
+bench/quality.py) go into one in-process retriever (RetrieverService, all-MiniLM-L6-v2, flat
+index, 512-token chunks: one chunk per document); each question gets its top-k chunks in each
+retrieval mode and hop count. recall@k: every gold passage is in a retrieved chunk. EM:
 demo.evaluate.answer over the retrieved chunks, in score order ("score": the best first, the
-second hop after the first) and reversed ("best_last": the best chunk next to the question).
+second hop after the first) and reversed ("best_last": the best chunk next to the question, as
+the gateway's `chunk_order: best_last` lays them out). Setting "gold" is the reference without
+retrieval: the question's own passages, as bench/quality.py asks them.
 
-The demo draws its names from a pool of 400, so the documents of different questions state
-contradicting facts about the same name ("The city of Pukrir? It is Tobra." in one question's
-documents, "... It is Worgas." in another's). A question is "contradicted" when any fact its
-answer rests on (both hops of a multi-hop question) has two values in the shared corpus; EM is
-also reported over the other questions ("clean"). Writes bench/results/retrieval_quality.csv
-and prints the tables.
+--corpus collections (the default): the questions come in collections of --collection-size
+(demo.corpus.held_out_collections) whose documents share no name, one retriever collection
+each, and a question searches its own collection: every fact has one value, as in a real
+knowledge base. --corpus shared: every question's documents in one collection. The demo draws
+its names from a pool of 400, so there different questions' documents state contradicting facts
+about one name ("The city of Pukrir? It is Tobra." in one, "... It is Worgas." in another): no
+retriever can answer those. A question is "contradicted" when any fact its answer rests on
+(both hops of a multi-hop question) has two values in the documents it searches; EM is also
+reported over the other questions ("clean"). Writes bench/results/retrieval_quality-CORPUS.csv
+(recall) and -CORPUS_em.csv (EM) and prints the tables.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.quality import documents  # noqa: E402
 from demo import MODEL_DIR  # noqa: E402
-from demo.corpus import KINDS, Example, held_out  # noqa: E402
+from demo.corpus import KINDS, Example, held_out, held_out_collections  # noqa: E402
 from demo.evaluate import Config, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
@@ -57,6 +64,7 @@ CONFIGS = (Config(Mode.FULL_PREFILL), Config(Mode.CACHEBLEND, 0.15))
 ORDERS = ("score", "best_last")
 # clean_recall: over the questions no contradiction touches (see contradicted()).
 RECALL_FIELDS = [
+    "corpus",
     "retrieval",
     "hops",
     "top_k",
@@ -68,6 +76,7 @@ RECALL_FIELDS = [
     "clean_recall",
 ]
 EM_FIELDS = [
+    "corpus",
     "retrieval",
     "hops",
     "top_k",
@@ -123,24 +132,52 @@ def contradicted(example: Example, facts: dict[tuple[str, str], set[str]]) -> bo
     return len(facts[asked.groups()]) > 1
 
 
+# The reference without retrieval: each question's own passages.
+GOLD = Setting("gold", 0, 0)
+
+
+def question_sets(corpus: str, count: int, seed: int, size: int) -> list[list[Example]]:
+    """The held-out questions, grouped by the collection whose documents they search."""
+    if corpus == "shared":
+        return [held_out(count, seed)]
+    return held_out_collections(count, seed, size)
+
+
+def clean_questions(groups: list[list[Example]]) -> list[bool]:
+    """Per question (groups flattened): no fact its answer rests on has two values in the
+    documents it searches."""
+    clean = []
+    for group in groups:
+        facts = corpus_facts({doc for e in group for doc in documents(e)})
+        clean += [not contradicted(e, facts) for e in group]
+    return clean
+
+
 def retrieve(
-    examples: list[Example], settings: list[Setting]
+    groups: list[list[Example]], settings: list[Setting]
 ) -> tuple[dict[Setting, list[list[str]]], dict[Setting, float]]:
-    """Each setting's retrieved chunk texts per question (first hop first), and the mean
-    milliseconds of one of its searches (one at a time, in process)."""
+    """Each setting's retrieved chunk texts per question (groups flattened; first hop first),
+    and the mean milliseconds of one of its searches (one at a time, in process). Each group's
+    documents go into a collection of their own, which its questions search."""
     from retriever.service import DocumentInput, RetrieverService
     from retriever.settings import RetrieverSettings
 
     contexts: dict[Setting, list[list[str]]] = {}
     search_ms: dict[Setting, float] = {}
+    # One group: the default collection, searched without a filter.
+    names = [f"c{i}" for i in range(len(groups))] if len(groups) > 1 else ["default"]
+    asked = [(e, name) for group, name in zip(groups, names, strict=True) for e in group]
     with tempfile.TemporaryDirectory() as data_dir:
         service = RetrieverService.open(
             RetrieverSettings(data_dir=Path(data_dir), index_save_interval_s=3600.0)
         )
         try:
-            texts = sorted({doc for e in examples for doc in documents(e)})
-            for text in tqdm(texts, desc="ingest", unit="doc"):
-                service.ingest(DocumentInput(text))
+            texts = sorted(
+                {(name, doc) for group, name in zip(groups, names, strict=True) for e in group
+                 for doc in documents(e)}
+            )  # fmt: skip
+            for name, text in tqdm(texts, desc="ingest", unit="doc"):
+                service.ingest(DocumentInput(text, collection=name))
             for setting in tqdm(settings, desc="search", unit="setting"):
                 started = time.perf_counter()
                 contexts[setting] = [
@@ -151,12 +188,13 @@ def retrieve(
                             setting.top_k,
                             retrieval=setting.retrieval,
                             hops=setting.hops,
+                            collections=None if len(groups) == 1 else [name],
                         )
                     ]
-                    for e in examples
+                    for e, name in asked
                 ]
                 elapsed_s = time.perf_counter() - started
-                search_ms[setting] = 1000 * elapsed_s / len(examples)
+                search_ms[setting] = 1000 * elapsed_s / len(asked)
         finally:
             service.close()
     return contexts, search_ms
@@ -167,6 +205,7 @@ def found_all(example: Example, chunks: list[str]) -> bool:
 
 
 def recall_rows(
+    corpus: str,
     examples: list[Example],
     contexts: dict[Setting, list[list[str]]],
     search_ms: dict[Setting, float],
@@ -185,6 +224,7 @@ def recall_rows(
             ]
             rows.append(
                 {
+                    "corpus": corpus,
                     "retrieval": setting.retrieval,
                     "hops": setting.hops,
                     "top_k": setting.top_k,
@@ -200,6 +240,7 @@ def recall_rows(
 
 
 def em_rows(
+    corpus: str,
     engine: Engine,
     examples: list[Example],
     chunks: list[list[str]],
@@ -227,6 +268,7 @@ def em_rows(
             clean_scores = [score for score, ok in picked if ok]
             rows.append(
                 {
+                    "corpus": corpus,
                     "retrieval": setting.retrieval,
                     "hops": setting.hops,
                     "top_k": setting.top_k,
@@ -287,34 +329,39 @@ def main() -> None:
     parser.add_argument("--model", default=str(MODEL_DIR))
     parser.add_argument("--questions", type=int, default=300)
     parser.add_argument("--seed", type=int, default=TEST_SEED, help="held-out seed")
+    parser.add_argument("--corpus", choices=("collections", "shared"), default="collections")
+    parser.add_argument("--collection-size", type=int, default=20, help="questions per collection")
     parser.add_argument("--top-k", type=int, nargs="+", default=[3])
     parser.add_argument("--retrieval", nargs="+", choices=RETRIEVAL_MODES, default=RETRIEVAL_MODES)
     parser.add_argument("--hops", type=int, nargs="+", choices=(1, 2), default=[1, 2])
     parser.add_argument("--orders", nargs="+", choices=ORDERS, default=list(ORDERS))
     parser.add_argument("--no-em", action="store_true", help="recall only (no demo model)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--csv", type=Path, default=ROOT / "bench/results/retrieval_quality.csv")
+    parser.add_argument("--csv", type=Path, help="default: results/retrieval_quality-CORPUS.csv")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
+    args.csv = args.csv or ROOT / f"bench/results/retrieval_quality-{args.corpus}.csv"
 
-    examples = held_out(args.questions, args.seed)
-    facts = corpus_facts({doc for e in examples for doc in documents(e)})
-    clean = [not contradicted(e, facts) for e in examples]
+    groups = question_sets(args.corpus, args.questions, args.seed, args.collection_size)
+    examples = [e for group in groups for e in group]
+    clean = clean_questions(groups)
     for kind in KINDS:
         of_kind = [ok for e, ok in zip(examples, clean, strict=True) if e.kind == kind]
         log.info("%s: %d of %d questions uncontradicted", kind, sum(of_kind), len(of_kind))
     settings = [
         Setting(r, h, k) for r in args.retrieval for h in sorted(args.hops) for k in args.top_k
     ]
-    contexts, search_ms = retrieve(examples, settings)
-    recall = recall_rows(examples, contexts, search_ms, clean)
+    contexts, search_ms = retrieve(groups, settings)
+    recall = recall_rows(args.corpus, examples, contexts, search_ms, clean)
     ems: list[dict] = []
     if not args.no_em:
         engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
+        gold = [list(e.passages) for e in examples]
+        ems += em_rows(args.corpus, engine, examples, gold, GOLD, "score", clean)
         runs = [(s, o) for s in settings for o in args.orders]
         for setting, order in tqdm(runs, desc="answer", unit="setting"):
-            ems += em_rows(engine, examples, contexts[setting], setting, order, clean)
+            ems += em_rows(args.corpus, engine, examples, contexts[setting], setting, order, clean)
 
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
@@ -327,7 +374,8 @@ def main() -> None:
             writer.writeheader()
             writer.writerows(ems)
     print(
-        f"\n{args.questions} held-out questions, seed {args.seed}; "
+        f"\n{args.questions} held-out questions, seed {args.seed}, corpus {args.corpus} "
+        f"({len(groups)} collection(s)); "
         f"{sum(clean)} uncontradicted (see the module docstring)\n"
     )
     print(recall_table(recall))

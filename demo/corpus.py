@@ -125,7 +125,10 @@ class CorpusGenerator:
 
     # -- entities --------------------------------------------------------------------------
     def name(self) -> str:
-        """A name from the fixed pool, not yet used in the current example."""
+        """A name from the fixed pool, not yet used in the current example (or collection)."""
+        if len(self._used) >= len(NAMES) * 3 // 4:
+            # Rejection sampling slows as the pool empties; a collection this large is a mistake.
+            raise ValueError(f"{len(self._used)} of the {len(NAMES)} names are used: too many")
         while True:
             word = self.rng.choice(NAMES)
             if word not in self._used:
@@ -192,8 +195,11 @@ class CorpusGenerator:
             return self._context_unit(entity, rel)
         return [self.named_passage(entity, rel, None)]
 
-    def example(self, kind: str) -> Example:
-        self._used = set()
+    def example(self, kind: str, *, keep_names: bool = False) -> Example:
+        """A question of `kind` over fresh entities; with `keep_names`, none of them shares a name
+        with the examples drawn since the last call without it."""
+        if not keep_names:
+            self._used = set()
         n_passages = self.rng.randint(self.min_passages, self.max_passages)
         gold_units: list[list[_Passage]]
         if kind == "single":
@@ -273,3 +279,15 @@ def held_out(count: int, seed: int = 1_000_003) -> list[Example]:
     """The evaluation set: equal thirds of each kind, from a seed training never uses."""
     generator = CorpusGenerator(seed)
     return [generator.example(KINDS[i % len(KINDS)]) for i in range(count)]
+
+
+def held_out_collections(count: int, seed: int, size: int) -> list[list[Example]]:
+    """`count` held-out questions (equal thirds of each kind) in collections of `size` whose
+    documents share no name, so that every fact in a collection has one value: a corpus that
+    retrieval over all of a collection's documents can answer (one corpus of every question
+    cannot: the pool has 400 names, and other questions state other values for the same name)."""
+    generator = CorpusGenerator(seed)
+    examples = [
+        generator.example(KINDS[i % len(KINDS)], keep_names=i % size != 0) for i in range(count)
+    ]
+    return [examples[i : i + size] for i in range(0, count, size)]

@@ -40,6 +40,7 @@ from engine.streaming import Generation
 from engine.types import (
     DEFAULT_RECOMPUTE_RATIO,
     Chunk,
+    ChunkOrder,
     ChunkWrite,
     GenerateRequest,
     GenerateResult,
@@ -306,14 +307,17 @@ class Engine:
     # -- prefill (also called directly by tests and benchmarks, outside the serving loop) ------
 
     def layout(self, request: GenerateRequest) -> PromptLayout:
-        """The request's prompt (with `fit_context`, chunks dropped from the end until it fits);
-        PromptTooLongError when it and max_tokens exceed a slot. Tokenizes: seconds for a long
-        prompt, so the service calls it on a thread."""
+        """The request's prompt (with `fit_context`, chunks dropped from the end until it fits;
+        then, with chunk_order best_last, the kept chunks reversed); PromptTooLongError when it
+        and max_tokens exceed a slot. Tokenizes: seconds for a long prompt, so the service calls
+        it on a thread."""
         layout = self.prompts.build(
             request.question, [c.text for c in request.chunks], request.system
         )
         if request.fit_context:
             layout = layout.fitted(self.max_model_len - request.max_tokens)
+        if request.chunk_order is ChunkOrder.BEST_LAST:
+            layout = layout.reversed()
         self._check_length(layout, request.max_tokens)
         return layout
 
@@ -542,7 +546,7 @@ class Engine:
             blend=prefill.blend,
             token_ids=list(seq.text.token_ids),
             layers=prefill.timeline,
-            chunk_tiers=prefill.chunk_tiers,
+            chunk_tiers=in_request_order(prefill.chunk_tiers, seq.request.chunk_order),
             load_bytes_by_tier=prefill.load_bytes_by_tier,
             dropped_chunks=seq.layout.dropped_chunks,
         )
@@ -568,3 +572,8 @@ def _tally(done: list[ChunkWrite], written: list[bool]) -> PrecomputeResult:
         failed=len(written) - sum(written),
         bytes=sum(d.nbytes for d in computed),
     )
+
+
+def in_request_order(per_chunk: list, order: ChunkOrder) -> list:
+    """Per-chunk values of a prompt, in the order of the request's chunks."""
+    return per_chunk[::-1] if order is ChunkOrder.BEST_LAST else per_chunk

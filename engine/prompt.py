@@ -54,6 +54,10 @@ class PromptLayout:
         dropped = self.dropped_chunks + len(self.chunks) - len(chunks)
         return PromptLayout(self.prefix, tuple(chunks), self.suffix, dropped)
 
+    def reversed(self) -> PromptLayout:
+        """The same chunks in reverse order (each chunk's tokens, hence its KV key, unchanged)."""
+        return PromptLayout(self.prefix, self.chunks[::-1], self.suffix, self.dropped_chunks)
+
 
 class PromptBuilder:
     """Lays out prompts with the tokenizer's chat template, or a plain template without one."""

@@ -30,6 +30,24 @@ class Mode(StrEnum):
             ) from None
 
 
+class ChunkOrder(StrEnum):
+    """Where a request's chunks (sent best first) go in the prompt: in the order sent, or
+    reversed so that the best one is next to the question."""
+
+    BEST_FIRST = "best_first"
+    BEST_LAST = "best_last"
+
+    @classmethod
+    def parse(cls, value: str | ChunkOrder) -> ChunkOrder:
+        try:
+            return cls(value)
+        except ValueError:
+            expected = ", ".join(o.value for o in cls)
+            raise InvalidRequestError(
+                f"unknown chunk_order {value!r}; expected one of {expected}"
+            ) from None
+
+
 DEFAULT_RECOMPUTE_RATIO = 0.15
 
 
@@ -58,9 +76,11 @@ class GenerateRequest:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, like vLLM's option)
     # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
     fit_context: bool = False
+    chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # applied after fit_context
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
+        object.__setattr__(self, "chunk_order", ChunkOrder.parse(self.chunk_order))
         object.__setattr__(self, "chunks", tuple(self.chunks))
         object.__setattr__(self, "stop", tuple(self.stop))
         if not self.question.strip():

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gateway.auth import load_keys
+from gateway.types import ChunkOrderName
 
 
 class GatewaySettings(BaseSettings):
@@ -41,6 +42,11 @@ class GatewaySettings(BaseSettings):
     retries: int = Field(2, ge=0, description="extra tries of idempotent calls")
     retry_backoff_s: float = Field(0.2, ge=0, description="first backoff; doubles per try")
     default_top_k: int = Field(4, ge=1)
+    chunk_order: ChunkOrderName = Field(
+        "best_last",
+        description="where the best chunk goes when a request gives no chunk_order: best_first "
+        "(first in the prompt) or best_last (next to the question)",
+    )
     max_top_k: int = Field(32, ge=1)
     default_max_tokens: int = Field(128, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)

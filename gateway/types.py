@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+# Where the best chunk goes in the prompt: first, or last (next to the question).
+ChunkOrderName = Literal["best_first", "best_last"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class EngineRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     system: str | None = None
+    chunk_order: ChunkOrderName = "best_first"  # the prompt's; sources stay best first
 
     @property
     def chunk_ids(self) -> list[str]:
@@ -71,6 +75,8 @@ class EngineRequest:
         }
         if fit_context:
             body["fit_context"] = True
+        if self.chunk_order != "best_first":  # engines older than chunk_order forbid the field
+            body["chunk_order"] = self.chunk_order
         return body
 
 

@@ -7,9 +7,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.validation import Seed, Text
-from engine.types import Chunk, GenerateRequest, GenerateResult, Mode
+from engine.types import Chunk, ChunkOrder, GenerateRequest, GenerateResult, Mode
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
+ChunkOrderName = Literal["best_first", "best_last"]
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -53,6 +54,8 @@ class GenerateBody(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     fit_context: bool = False
+    # The chunks come best first; best_last lays them out reversed, the best next to the question.
+    chunk_order: ChunkOrderName = "best_first"
 
     def texts(self) -> list[tuple[str, str]]:
         """(field name, text) of every free text, for the length limit."""
@@ -74,6 +77,7 @@ class GenerateBody(BaseModel):
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
             fit_context=self.fit_context,
+            chunk_order=ChunkOrder(self.chunk_order),
         )
 
 

@@ -9,6 +9,7 @@ from demo.tiny import build_tokenizer, random_words
 from engine.engine import Engine
 from engine.errors import (
     ChunkTooLongError,
+    InvalidRequestError,
     ModelNotFoundError,
     ModelNotSupportedError,
     PromptTooLongError,
@@ -76,6 +77,29 @@ def test_fit_context_drops_chunks_from_the_end_and_says_how_many(engine_for):
     assert plain.token_ids == layout.token_ids
     result = engine.generate(fitted)
     assert result.dropped_chunks == layout.dropped_chunks
+
+
+def test_best_last_drops_the_worst_chunks_then_puts_the_best_next_to_the_question(engine_for):
+    engine = engine_for("llama")
+    chunks = tuple(Chunk(f"c{i}", " ".join(random_words(120, 80 + i))) for i in range(5))
+    ask = {"question": "q", "max_tokens": 8, "fit_context": True}
+    best_last = GenerateRequest(chunks=chunks, chunk_order="best_last", **ask)
+    layout = engine.layout(best_last)
+    kept = chunks[: 5 - layout.dropped_chunks]
+    assert 0 < layout.dropped_chunks < 4  # at least two kept, so their order matters
+    reversed_by_hand = GenerateRequest(chunks=kept[::-1], **ask)
+    assert layout.token_ids == engine.layout(reversed_by_hand).token_ids
+    assert layout.token_ids != engine.layout(GenerateRequest(chunks=chunks, **ask)).token_ids
+    engine.precompute(chunks[:1])  # only the best chunk is stored: the others are misses
+    result = engine.generate(best_last)
+    assert result.chunk_tiers[0] is not None  # reported in the request's order
+    assert result.chunk_tiers[1:] == [None] * (len(kept) - 1)
+    assert result.text == engine.generate(reversed_by_hand).text
+
+
+def test_an_unknown_chunk_order_is_an_invalid_request():
+    with pytest.raises(InvalidRequestError, match="chunk_order 'worst_first'"):
+        GenerateRequest(question="q", chunk_order="worst_first")
 
 
 def test_fit_context_cannot_fit_a_question_longer_than_the_positions(engine_for):

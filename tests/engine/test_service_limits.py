@@ -203,6 +203,22 @@ def test_fit_context_drops_chunks_from_the_end_and_answers_like_the_kept_ones(se
         assert c.post("/v1/generate", json=no_room).status_code == 422
 
 
+def test_best_last_answers_like_the_kept_chunks_reversed_and_other_orders_get_422(service):
+    chunks = [{"id": f"c{i}", "text": words(120, 20 + i)} for i in range(5)]
+    ask = {"question": "what is kalo?", "max_tokens": 8, "mode": "full_prefill"}
+    with client(service) as c:
+        body = {**ask, "chunks": chunks, "fit_context": True, "chunk_order": "best_last"}
+        best_last = c.post("/v1/generate", json=body)
+        assert best_last.status_code == 200, best_last.text
+        kept = chunks[: 5 - best_last.json()["dropped_chunks"]]
+        assert len(kept) >= 2
+        by_hand = c.post("/v1/generate", json={**ask, "chunks": kept[::-1]}).json()
+        assert best_last.json()["text"] == by_hand["text"]
+        assert best_last.json()["usage"] == by_hand["usage"]
+        wrong = c.post("/v1/generate", json={**body, "chunk_order": "worst_first"})
+        assert wrong.status_code == 422 and "chunk_order" in wrong.text
+
+
 def test_the_internal_token_is_required_except_for_health_and_metrics(service):
     with httpx.Client(base_url=service.url, timeout=30) as anonymous:
         reply = anonymous.post("/v1/generate", json={"question": "q", "max_tokens": 1})

@@ -1,10 +1,12 @@
 """Prompts fitted to the model: the engine drops the worst chunks (fit_context) and every
-answer says how many; a max_tokens that cannot fit at all is the gateway's 422."""
+answer says how many; a max_tokens that cannot fit at all is the gateway's 422. The kept chunks
+go into the prompt in the request's chunk_order (or the gateway's setting)."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -74,3 +76,34 @@ def test_max_tokens_that_cannot_fit_the_model_is_the_gateways_422(spawn_gateway,
             response = http.post(path, json=body)
             assert response.status_code == 422, response.text
             assert "max_model_len" in response.json()["detail"]
+
+
+def engine_answer(engine, question: str, texts: list[str]) -> str:
+    body = {
+        "question": question,
+        "chunks": [{"id": f"c{i}", "text": text} for i, text in enumerate(texts)],
+        "max_tokens": 6,
+        "mode": "full_prefill",
+    }
+    reply = httpx.post(f"{engine.url}/v1/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["text"]
+
+
+def test_chunk_order_lays_out_the_best_chunk_first_or_next_to_the_question(client, engine):
+    question = "Kessa pass?"
+    ask = {"question": question, "max_tokens": 6, "mode": "full_prefill"}
+    answers = {}
+    for order in ("best_first", "best_last"):
+        body = client.post("/v1/query", json={**ask, "chunk_order": order}).json()
+        scores = [s["score"] for s in body["sources"]]
+        assert len(scores) == 2 and scores == sorted(scores, reverse=True)  # sources: best first
+        answers[order] = body["answer"]
+    texts = [s["text"] for s in body["sources"]]
+    assert answers["best_first"] == engine_answer(engine, question, texts)
+    assert answers["best_last"] == engine_answer(engine, question, texts[::-1])
+    assert answers["best_first"] != answers["best_last"]  # the order reached the engine
+    # The gateway's default (best_last) applies when the request names none.
+    assert client.post("/v1/query", json=ask).json()["answer"] == answers["best_last"]
+    wrong = client.post("/v1/query", json={**ask, "chunk_order": "worst_first"})
+    assert wrong.status_code == 422 and "chunk_order" in wrong.text

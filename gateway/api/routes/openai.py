@@ -184,6 +184,7 @@ async def _start(
         seed=body.seed,
         stop=body.stop_list,
         system=system,
+        chunk_order=body.rag.chunk_order or settings.chunk_order,
     )
     stream, stack = await open_generation(pipeline, generation, request)
     return _Run(stream, stack, generation, collections, body.model or settings.model_name)

@@ -68,6 +68,7 @@ async def query(
         recompute_ratio=body.recompute_ratio,
         max_tokens=max_tokens,
         temperature=body.temperature,
+        chunk_order=body.chunk_order or settings.chunk_order,
         top_p=body.top_p,
         seed=body.seed,
         stop=tuple(body.stop or ()),

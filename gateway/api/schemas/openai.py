@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.validation import Seed, Text
 from gateway.api.schemas.query import (
+    CHUNK_ORDER_DESCRIPTION,
     HOPS_DESCRIPTION,
     MAX_HOPS,
     MAX_TEXT_CHARS,
@@ -22,6 +23,7 @@ from gateway.api.schemas.query import (
     StopText,
     TopP,
 )
+from gateway.types import ChunkOrderName
 
 MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
@@ -44,6 +46,7 @@ class RagOptions(BaseModel):
     )
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: int = Field(1, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
+    chunk_order: ChunkOrderName | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
 
 
 class StreamOptions(BaseModel):

@@ -7,13 +7,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common.validation import CollectionName, DocId, Seed, Text
-from gateway.types import EngineResult, Source
+from gateway.types import ChunkOrderName, EngineResult, Source
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
 # The retriever's search modes (docs/retriever.md, "Hybrid retrieval"); None: its default.
 RetrievalName = Literal["dense", "bm25", "hybrid"]
 RETRIEVAL_DESCRIPTION = "dense, bm25 or hybrid; default: the retriever's `retrieval` setting"
 HOPS_DESCRIPTION = "2: add up to top_k chunks found by the names the first ones mention"
+CHUNK_ORDER_DESCRIPTION = (
+    "best_first: the best chunk first in the prompt; best_last: next to the question; "
+    "default: the gateway's chunk_order setting"
+)
 MAX_HOPS = 2
 # Bounds of what a client may send (the body size limit bounds the rest).
 MAX_TEXT_CHARS = 100_000
@@ -55,6 +59,7 @@ class QueryRequest(BaseModel):
     )
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: int = Field(1, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
+    chunk_order: ChunkOrderName | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
 
     _question_not_blank = field_validator("question")(not_blank)
 
