@@ -29,6 +29,7 @@ import csv
 import dataclasses
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import random
@@ -170,6 +171,17 @@ def describe(params: IndexParams, search: bool) -> str:
     return "-"
 
 
+def searched(index: VectorIndex, vectors: np.ndarray, query: np.ndarray, rerank: int) -> np.ndarray:
+    """The top-5 ids; with `rerank`, the best `rerank` candidates re-scored with their exact
+    vectors, as the retriever service re-scores IVF-PQ candidates with stored embeddings."""
+    ids = index.search(query[None, :], max(5, rerank))[1][0]
+    if not rerank:
+        return ids
+    ids = ids[ids >= 1]
+    exact = vectors[ids - 1] @ query  # ids are 1..N
+    return ids[np.argsort(-exact)[:5]]
+
+
 def run(dist: str, size: int, args: argparse.Namespace, rows: list[dict]) -> dict:
     base, seeds = real_embeddings(dist, args.cache)
     vectors = synthetic(base, size, NOISE[dist], seed=size)
@@ -190,14 +202,15 @@ def run(dist: str, size: int, args: argparse.Namespace, rows: list[dict]) -> dic
         index_mb = len(index.to_bytes(0)) / 2**20
         if exact is None:
             exact = index.search(queries, 5)[1]  # flat, exact: batched, not timed
-        for search in searches:
+        reranks = [0, *args.pq_rerank] if built.kind == "ivfpq" else [0]
+        for search, rerank in itertools.product(searches, reranks):
             index.params = search
             # flat at 1M costs ~0.1-0.2 s a query: fewer queries time it well enough
             count = min(len(queries), args.flat_queries) if built.kind == "flat" else len(queries)
             latencies, found = [], []
             for query in queries[:count]:
                 t0 = time.perf_counter()
-                found.append(index.search(query[None, :], 5)[1][0])
+                found.append(searched(index, vectors, query, rerank))
                 latencies.append(time.perf_counter() - t0)
             recall = np.mean(
                 [len(set(a) & set(b)) / 5 for a, b in zip(found, exact[:count], strict=True)]
@@ -208,7 +221,7 @@ def run(dist: str, size: int, args: argparse.Namespace, rows: list[dict]) -> dic
                 vectors=size,
                 index=built.kind,
                 build=describe(built, search=False),
-                search=describe(search, search=True),
+                search=describe(search, search=True) + (f" rerank={rerank}" if rerank else ""),
                 build_s=round(build_s, 1),
                 index_mb=round(index_mb, 1),
                 rss_mb=round(rss_mb, 1),
@@ -254,6 +267,13 @@ def main() -> None:
         nargs="+",
         metavar="M:EFC",
         help="HNSW builds to try, as M:efConstruction (default 16:80 32:80)",
+    )
+    parser.add_argument(
+        "--pq-rerank",
+        type=int,
+        nargs="*",
+        default=[100],
+        help="IVF-PQ candidates re-scored exactly, besides none",
     )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()

@@ -9,8 +9,21 @@ import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
 
 from engine.errors import InvalidRequestError
+
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _parse_enum(enum: type[_E], value: str | _E, field: str) -> _E:
+    try:
+        return enum(value)
+    except ValueError:
+        expected = ", ".join(m.value for m in enum)
+        raise InvalidRequestError(
+            f"unknown {field} {value!r}; expected one of {expected}"
+        ) from None
 
 
 class Mode(StrEnum):
@@ -21,13 +34,7 @@ class Mode(StrEnum):
 
     @classmethod
     def parse(cls, value: str | Mode) -> Mode:
-        try:
-            return cls(value)
-        except ValueError:
-            expected = ", ".join(m.value for m in cls)
-            raise InvalidRequestError(
-                f"unknown mode {value!r}; expected one of {expected}"
-            ) from None
+        return _parse_enum(cls, value, "mode")
 
 
 class ChunkOrder(StrEnum):
@@ -39,13 +46,7 @@ class ChunkOrder(StrEnum):
 
     @classmethod
     def parse(cls, value: str | ChunkOrder) -> ChunkOrder:
-        try:
-            return cls(value)
-        except ValueError:
-            expected = ", ".join(o.value for o in cls)
-            raise InvalidRequestError(
-                f"unknown chunk_order {value!r}; expected one of {expected}"
-            ) from None
+        return _parse_enum(cls, value, "chunk_order")
 
 
 DEFAULT_RECOMPUTE_RATIO = 0.15

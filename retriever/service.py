@@ -449,11 +449,18 @@ class RetrieverService:
     def _dense(
         self, vector: np.ndarray, depth: int, allowed: np.ndarray | None
     ) -> list[tuple[int, float]]:
-        """(rowid, cosine similarity) of the nearest vectors, best first."""
+        """(rowid, cosine similarity) of the nearest vectors, best first. IVF-PQ ranks by
+        codes of a few bits per sub-vector, which cannot tell near-ties apart: its best
+        `pq_rerank` candidates are re-scored with their stored embeddings."""
         index = self.index
-        k = min(depth, max(1, index.num_vectors))
+        rerank = self.settings.pq_rerank if self._params.kind == "ivfpq" else 0
+        k = min(max(depth, rerank), max(1, index.num_vectors))
         scores, ids = index.search(vector, k, allowed)
-        return [(int(i), float(s)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0]
+        found = [(int(i), float(s)) for s, i in zip(scores[0], ids[0], strict=True) if i >= 0]
+        if rerank:
+            exact = self._similarities(vector, [i for i, _ in found])
+            found = sorted(exact.items(), key=lambda item: item[1], reverse=True)
+        return found[:depth]
 
     def _lexical(self, query: str, depth: int, scope: _Scope) -> list[tuple[int, float]]:
         """(rowid, -BM25) of the chunks sharing the most telling words with the query."""

@@ -51,6 +51,13 @@ class RetrieverSettings(BaseSettings):
     )
     pq_m: int = Field(48, ge=1, description="IVF-PQ sub-quantizers (must divide the dimension)")
     pq_bits: int = Field(8, ge=1, le=16, description="IVF-PQ bits per sub-quantizer code")
+    pq_rerank: int = Field(
+        300,
+        ge=0,
+        le=10_000,
+        description="IVF-PQ candidates re-scored with their stored embeddings (exact cosine) "
+        "per search; 0: PQ's approximate ranking",
+    )
     max_top_k: int = Field(100, ge=1, le=10000, description="largest top_k a search may ask for")
     embed_batch_size: int = Field(32, ge=1)
     max_upload_bytes: int = Field(
