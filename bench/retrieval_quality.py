@@ -3,8 +3,8 @@ and hybrid retrieval with one or two hops, and end-to-end exact match of the dem
 what was retrieved (full prefill and cacheblend).
 
     .venv/bin/python bench/retrieval_quality.py --questions 150 --threads 2    # ~5 min
-    .venv/bin/python bench/retrieval_quality.py --top-k 1 2 3    # docs/retriever.md, ~25 min
-    .venv/bin/python bench/retrieval_quality.py --corpus shared    # one corpus of every question
+    .venv/bin/python bench/retrieval_quality.py --top-k 2 3 4    # docs/retriever.md, ~10 min
+    .venv/bin/python bench/retrieval_quality.py --corpus shared --top-k 1 2 3    # ~25 min
 
 Questions' documents (a passage, or a passage with the pronoun passage that follows it, as in
 bench/quality.py) go into one in-process retriever (RetrieverService, all-MiniLM-L6-v2, flat
@@ -173,9 +173,10 @@ def retrieve(
         )
         try:
             texts = sorted(
-                {(name, doc) for group, name in zip(groups, names, strict=True) for e in group
-                 for doc in documents(e)}
-            )  # fmt: skip
+                (name, doc)
+                for group, name in zip(groups, names, strict=True)
+                for doc in {d for e in group for d in documents(e)}
+            )
             for name, text in tqdm(texts, desc="ingest", unit="doc"):
                 service.ingest(DocumentInput(text, collection=name))
             for setting in tqdm(settings, desc="search", unit="setting"):

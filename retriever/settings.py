@@ -37,12 +37,12 @@ class RetrieverSettings(BaseSettings):
     chunk_tokens: int = Field(512, ge=8, le=32768, description="tokens per chunk")
     chunk_overlap_tokens: int = Field(0, ge=0)
     index: Literal["flat", "hnsw", "ivf", "ivfpq"] = Field("flat", description="FAISS index kind")
-    hnsw_m: int = Field(32, ge=4, le=256, description="HNSW graph degree")
-    hnsw_ef_construction: int = Field(80, ge=8, description="HNSW build beam")
+    hnsw_m: int = Field(48, ge=4, le=256, description="HNSW graph degree")
+    hnsw_ef_construction: int = Field(200, ge=8, description="HNSW build beam")
     hnsw_ef_search: int | None = Field(
         None,
         ge=8,
-        description="HNSW search beam; unset: 1024 up to 100k vectors, doubled per tenfold beyond",
+        description="HNSW search beam; unset: 1024 up to 100k vectors, 4x per tenfold beyond",
     )
     ivf_nlist: int = Field(1024, ge=1, le=1 << 20, description="IVF lists (k-means centroids)")
     ivf_nprobe: int = Field(128, ge=1, description="IVF lists scanned per search")
