@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from engine.types import Mode
+from engine.types import ChunkOrder, Mode
 from evaluation.options import DEFAULT_MODES, DEFAULT_RATIOS
 
 
@@ -47,6 +47,12 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--top-k", type=int, default=5, help="passages retrieved per question")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per answer")
+    parser.add_argument(
+        "--chunk-order",
+        choices=[o.value for o in ChunkOrder],
+        default=ChunkOrder.BEST_FIRST.value,
+        help="best_last: the passages laid out reversed, the first next to the question",
+    )
     parser.add_argument("--limit", type=int, help="evaluate only the first N records")
     parser.add_argument("--out", type=Path, default=Path("eval-results"), help="output folder")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             corpus=args.corpus,
             top_k=args.top_k,
             max_tokens=args.max_tokens,
+            chunk_order=args.chunk_order,
             limit=args.limit,
             device=args.device,
             dtype=args.dtype,

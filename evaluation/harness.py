@@ -96,7 +96,9 @@ def evaluate(dataset: Path | str, out_dir: Path | str | None = None, **options: 
             unit="question",
             disable=not opts.progress,
         ):
-            outcomes.extend(answer_record(engine, record, passages, settings, opts.max_tokens))
+            outcomes.extend(
+                answer_record(engine, record, passages, settings, opts.max_tokens, opts.chunk_order)
+            )
     finally:
         engine.close()
     rows = summarize(outcomes)

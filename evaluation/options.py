@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.types import Mode
+from engine.types import ChunkOrder, Mode
 
 DEFAULT_MODES = (Mode.FULL_PREFILL, Mode.PREFIX_CACHE, Mode.FULL_REUSE, Mode.CACHEBLEND)
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
@@ -26,6 +26,10 @@ class EvalOptions(BaseModel):
     corpus: Path | None = Field(None, description="JSONL documents to retrieve from")
     top_k: int = Field(5, ge=1, le=100)
     max_tokens: int = Field(32, ge=1, le=4096)
+    chunk_order: ChunkOrder = Field(
+        ChunkOrder.BEST_FIRST,
+        description="best_last: the passages (best first) laid out reversed, as the gateway can",
+    )
     limit: int | None = Field(None, ge=1, description="evaluate only the first N records")
     device: str = Field("cpu", min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

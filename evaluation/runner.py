@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.engine import Engine
-from engine.types import Chunk, GenerateRequest, Mode
+from engine.types import Chunk, ChunkOrder, GenerateRequest, Mode
 from evaluation.dataset import Record
 from evaluation.deviation import kv_deviation
 from evaluation.metrics import best, exact_match, f1_score, rouge_l
@@ -64,7 +64,11 @@ def as_chunks(passages: Sequence[str]) -> tuple[Chunk, ...]:
 
 
 def request_for(
-    record: Record, passages: Sequence[str], setting: Setting, max_tokens: int
+    record: Record,
+    passages: Sequence[str],
+    setting: Setting,
+    max_tokens: int,
+    chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST,
 ) -> GenerateRequest:
     return GenerateRequest(
         question=record.question,
@@ -73,6 +77,7 @@ def request_for(
         recompute_ratio=setting.recompute_ratio,
         max_tokens=max_tokens,
         temperature=0.0,
+        chunk_order=chunk_order,
     )
 
 
@@ -82,16 +87,17 @@ def answer_record(
     passages: Sequence[str],
     settings: Sequence[Setting],
     max_tokens: int,
+    chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST,
 ) -> list[Outcome]:
     """Answer `record` in every setting (settings[0] is full prefill); the chunks' KV is
     precomputed first, so TTFT is that of chunks cached in RAM."""
     assert settings[0] == REFERENCE, "settings_for() puts full prefill first"
     assert record.id is not None, "load_dataset() gives every record an id"
     engine.precompute(as_chunks(passages))
-    reference = engine.prefill(request_for(record, passages, REFERENCE, max_tokens))
+    reference = engine.prefill(request_for(record, passages, REFERENCE, max_tokens, chunk_order))
     outcomes: list[Outcome] = []
     for setting in settings:
-        request = request_for(record, passages, setting, max_tokens)
+        request = request_for(record, passages, setting, max_tokens, chunk_order)
         deviation = 0.0
         if setting != REFERENCE:
             prefill = engine.prefill(request)

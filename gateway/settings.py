@@ -42,6 +42,9 @@ class GatewaySettings(BaseSettings):
     retries: int = Field(2, ge=0, description="extra tries of idempotent calls")
     retry_backoff_s: float = Field(0.2, ge=0, description="first backoff; doubles per try")
     default_top_k: int = Field(4, ge=1)
+    default_hops: int = Field(
+        1, ge=1, le=2, description="retrieval hops when a request gives none (2: multi-hop)"
+    )
     chunk_order: ChunkOrderName = Field(
         "best_last",
         description="where the best chunk goes when a request gives no chunk_order: best_first "

@@ -1,7 +1,10 @@
-"""The gateway passes `retrieval` and `hops` on to the real retriever, from POST /v1/query and
-from the OpenAI routes' `rag` extension, and refuses values the retriever would not take."""
+"""The gateway passes `retrieval` and `hops` (else its `default_hops`) on to the real retriever,
+from POST /v1/query and from the OpenAI routes' `rag` extension, and refuses values the
+retriever would not take."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -28,6 +31,26 @@ def test_query_searches_in_the_retrieval_mode_and_hops_it_names(client, retrieve
         "/v1/query", json={"question": RARE_NAME, "top_k": 2, "retrieval": "bm25"}
     ).json()
     assert [s["doc_id"] for s in bm25["sources"]] == ["rivers"]
+
+
+def test_default_hops_applies_when_a_request_names_none(
+    spawn_gateway, engine, retriever, documents
+):
+    gateway = spawn_gateway(engine, args=("--default-hops", "2"))
+    with gateway.client() as http:
+        for request_id, hops in (("default-hops-1", None), ("default-hops-2", 1)):
+            body = {"question": RARE_NAME, "top_k": 2, "retrieval": "bm25"}
+            if hops is not None:
+                body["hops"] = hops
+            headers = {"X-Request-ID": request_id}
+            assert http.post("/v1/query", json=body, headers=headers).status_code == 200
+        chat = {"messages": [{"role": "user", "content": RARE_NAME}], "max_tokens": 2}
+        headers = {"X-Request-ID": "default-hops-3"}
+        assert http.post("/v1/chat/completions", json=chat, headers=headers).status_code == 200
+    log = retriever.log()
+    assert "[default-hops-1]: search top_k=2 retrieval=bm25 hops=2" in log
+    assert "[default-hops-2]: search top_k=2 retrieval=bm25 hops=1" in log
+    assert re.search(r"\[default-hops-3\]: search top_k=\d+ retrieval=\w+ hops=2 ", log)
 
 
 def test_chat_completions_take_retrieval_in_the_rag_extension(client):

@@ -171,7 +171,7 @@ async def _start(
         collections,
         request_id=request.state.request_id,
         retrieval=body.rag.retrieval,
-        hops=body.rag.hops,
+        hops=body.rag.hops or settings.default_hops,
     )
     generation = EngineRequest(
         question=question,

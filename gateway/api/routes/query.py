@@ -59,7 +59,7 @@ async def query(
         collections,
         request_id=request_id,
         retrieval=body.retrieval,
-        hops=body.hops,
+        hops=body.hops or settings.default_hops,
     )
     generation = EngineRequest(
         question=body.question,

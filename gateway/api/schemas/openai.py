@@ -45,7 +45,7 @@ class RagOptions(BaseModel):
         None, description="search only these (default: all the API key may use)"
     )
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
-    hops: int = Field(1, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
+    hops: int | None = Field(None, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrderName | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
 
 

@@ -13,7 +13,10 @@ ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
 # The retriever's search modes (docs/retriever.md, "Hybrid retrieval"); None: its default.
 RetrievalName = Literal["dense", "bm25", "hybrid"]
 RETRIEVAL_DESCRIPTION = "dense, bm25 or hybrid; default: the retriever's `retrieval` setting"
-HOPS_DESCRIPTION = "2: add up to top_k chunks found by the names the first ones mention"
+HOPS_DESCRIPTION = (
+    "2: add up to top_k chunks found by the names the first ones mention; "
+    "default: the gateway's default_hops setting"
+)
 CHUNK_ORDER_DESCRIPTION = (
     "best_first: the best chunk first in the prompt; best_last: next to the question; "
     "default: the gateway's chunk_order setting"
@@ -58,7 +61,7 @@ class QueryRequest(BaseModel):
         None, description="search only these (default: all the API key may use)"
     )
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
-    hops: int = Field(1, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
+    hops: int | None = Field(None, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrderName | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
 
     _question_not_blank = field_validator("question")(not_blank)
