@@ -154,6 +154,9 @@ class HealthResponse(BaseModel):
     chunks: int
     index: str
     index_vectors: int
+    # ivf/ivfpq: whether the vectors are in inverted lists yet (before that, flat and exact);
+    # None for the kinds that do not train.
+    index_trained: bool | None
     embedding_model: str
     chunk_tokens: int
 

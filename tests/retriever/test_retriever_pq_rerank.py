@@ -32,6 +32,9 @@ def corpus(tmp_path_factory):
             for i, text in enumerate(texts):
                 reply = http.post("/v1/documents", json={"text": text, "id": f"d{i}"})
                 assert reply.status_code == 200, reply.text
+                if i == 0:  # exact and flat until it holds enough vectors to train
+                    assert http.get("/health").json()["index_trained"] is False
+            assert http.get("/health").json()["index_trained"] is True
     finally:
         service.stop()
     return data_dir, texts, queries

@@ -22,6 +22,7 @@ async def health(service: ServiceDep) -> HealthResponse:
         chunks=stats.chunks,
         index=service.settings.index,
         index_vectors=stats.index_vectors,
+        index_trained=service.index.trained if service.index.params.ivf else None,
         embedding_model=service.embedder.info.model,
         chunk_tokens=service.settings.chunk_tokens,
     )
