@@ -66,11 +66,11 @@ from demo.evaluate import (  # noqa: E402
     as_chunks,
     exact_match,
     f1_score,
-    kv_deviation,
 )
 from engine.engine import Engine  # noqa: E402
 from engine.selection import Selection  # noqa: E402
 from engine.types import GenerateRequest, Mode  # noqa: E402
+from evaluation.deviation import kv_deviation  # noqa: E402
 from kvstore import codec, tiers  # noqa: E402
 
 log = logging.getLogger("bench.quality")

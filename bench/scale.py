@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,10 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.load import ModeStats, one_query, percentile  # noqa: E402
+
 RESULTS = REPO_ROOT / "bench/results/scale-cpu.csv"
 QUESTIONS = (
     "What is the job of Goulpu?",
@@ -130,36 +133,12 @@ def ingest(gateway: str, folder: Path) -> None:
                 time.sleep(0.2)
 
 
-async def one_query(http: httpx.AsyncClient, body: dict) -> float | None:
-    """TTFT (first `delta`) of one streamed query, None when it failed."""
-    start = time.perf_counter()
-    ttft_s = None
-    try:
-        async with http.stream("POST", "/v1/query", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return None
-            event = None
-            async for line in response.aiter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: ") and event == "delta" and ttft_s is None:
-                    ttft_s = time.perf_counter() - start
-                elif line.startswith("data: ") and event == "error":
-                    return None
-    except httpx.HTTPError:
-        return None
-    return ttft_s
-
-
 async def closed_loop(gateway: str, clients: int, duration_s: float, args) -> dict:
     """`clients` loops, each sending its next query as soon as the last one ended."""
-    ttfts: list[float] = []
-    errors = 0
+    stats = ModeStats()
     end = time.monotonic() + duration_s
 
     async def client(index: int) -> None:
-        nonlocal errors
         async with httpx.AsyncClient(base_url=gateway, timeout=120) as http:
             i = index
             while time.monotonic() < end:
@@ -169,29 +148,19 @@ async def closed_loop(gateway: str, clients: int, duration_s: float, args) -> di
                     "max_tokens": args.max_tokens,
                     "stream": True,
                 }
-                ttft_s = await one_query(http, body)
-                if ttft_s is None:
-                    errors += 1
-                else:
-                    ttfts.append(ttft_s)
+                await one_query(http, body, stats)
                 i += clients
 
     started = time.monotonic()
     await asyncio.gather(*(client(i) for i in range(clients)))
     elapsed_s = time.monotonic() - started
     return {
-        "requests": len(ttfts),
-        "errors": errors,
-        "req_per_s": round(len(ttfts) / elapsed_s, 3),
-        "ttft_p50_s": round(percentile(ttfts, 50), 3),
-        "ttft_p99_s": round(percentile(ttfts, 99), 3),
+        "requests": len(stats.ttft_s),
+        "errors": stats.errors,
+        "req_per_s": round(len(stats.ttft_s) / elapsed_s, 3),
+        "ttft_p50_s": round(percentile(stats.ttft_s, 50), 3),
+        "ttft_p99_s": round(percentile(stats.ttft_s, 99), 3),
     }
-
-
-def percentile(values: list[float], q: int) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def start_redis(folder: Path) -> int | None:
@@ -222,14 +191,16 @@ def first_request_ttft(stack: Stack, retriever: str, engine_args: list[str], env
     gateway = stack.start("gateway", "--retriever-url", retriever, "--engine-urls", engine)
     body = {"question": QUESTIONS[0], "top_k": args.top_k, "max_tokens": 4, "stream": True}
 
-    async def ask() -> float | None:
-        async with httpx.AsyncClient(base_url=gateway, timeout=120) as http:
-            return await one_query(http, body)
+    stats = ModeStats()
 
-    ttft_s = asyncio.run(ask())
-    if ttft_s is None:
-        raise SystemExit("the first query of the fresh engine failed")
-    return round(ttft_s, 3)
+    async def ask() -> None:
+        async with httpx.AsyncClient(base_url=gateway, timeout=120) as http:
+            await one_query(http, body, stats)
+
+    asyncio.run(ask())
+    if not stats.ttft_s:
+        raise SystemExit(f"the first query of the fresh engine failed: {dict(stats.error_kinds)}")
+    return round(stats.ttft_s[0], 3)
 
 
 def main() -> None:

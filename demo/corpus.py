@@ -286,6 +286,8 @@ def held_out_collections(count: int, seed: int, size: int) -> list[list[Example]
     documents share no name, so that every fact in a collection has one value: a corpus that
     retrieval over all of a collection's documents can answer (one corpus of every question
     cannot: the pool has 400 names, and other questions state other values for the same name)."""
+    if size < 1:
+        raise ValueError(f"a collection holds at least one question, got {size}")
     generator = CorpusGenerator(seed)
     examples = [
         generator.example(KINDS[i % len(KINDS)], keep_names=i % size != 0) for i in range(count)

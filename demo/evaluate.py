@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.engine import Engine
 from engine.types import GenerateRequest, Mode
-from evaluation.deviation import kv_deviation
+from evaluation.deviation import prefill_deviation
 from evaluation.metrics import exact_match, f1_score, normalize
 from evaluation.runner import Setting as Config
 from evaluation.runner import as_chunks
@@ -21,7 +21,6 @@ __all__ = [
     "as_chunks",
     "exact_match",
     "f1_score",
-    "kv_deviation",
     "normalize",
 ]
 
@@ -70,13 +69,7 @@ def answer(
             prefill = reference
             if config.mode is not Mode.FULL_PREFILL:
                 prefill = engine.prefill(request)
-                deviation = kv_deviation(
-                    prefill.output.keys,
-                    prefill.output.values,
-                    reference.output.keys,
-                    reference.output.values,
-                    reference.layout.chunk_spans,
-                )
+                deviation = prefill_deviation(prefill, reference)
             logprob = float(prefill.output.logits.float().log_softmax(-1)[first_token])
         result = engine.generate(request)
         outcomes.append(

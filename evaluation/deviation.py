@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.prefill import Prefill
+
 
 def kv_deviation(
     keys: torch.Tensor,
@@ -24,3 +26,14 @@ def kv_deviation(
     rk, rv = ref_keys[:, :, index].float(), ref_values[:, :, index].float()
     num = (k - rk).pow(2).sum() + (v - rv).pow(2).sum()
     return float(num / (rk.pow(2).sum() + rv.pow(2).sum()))
+
+
+def prefill_deviation(prefill: Prefill, reference: Prefill) -> float:
+    """kv_deviation of a prefill's KV from the reference's, over the reference's chunks."""
+    return kv_deviation(
+        prefill.output.keys,
+        prefill.output.values,
+        reference.output.keys,
+        reference.output.values,
+        reference.layout.chunk_spans,
+    )

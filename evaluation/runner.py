@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from engine.engine import Engine
 from engine.types import Chunk, ChunkOrder, GenerateRequest, Mode
 from evaluation.dataset import Record
-from evaluation.deviation import kv_deviation
+from evaluation.deviation import prefill_deviation
 from evaluation.metrics import best, exact_match, f1_score, rouge_l
 
 
@@ -100,14 +100,7 @@ def answer_record(
         request = request_for(record, passages, setting, max_tokens, chunk_order)
         deviation = 0.0
         if setting != REFERENCE:
-            prefill = engine.prefill(request)
-            deviation = kv_deviation(
-                prefill.output.keys,
-                prefill.output.values,
-                reference.output.keys,
-                reference.output.values,
-                reference.layout.chunk_spans,
-            )
+            deviation = prefill_deviation(engine.prefill(request), reference)
         result = engine.generate(request)
         prediction = result.text.strip()
         reference_prediction = outcomes[0].prediction if outcomes else prediction

@@ -31,6 +31,8 @@ def test_questions_of_a_collection_share_no_name_and_collections_do():
     assert first & second  # only within a collection are names unique
 
 
-def test_a_collection_too_large_for_the_name_pool_is_refused():
+def test_a_collection_too_large_for_the_name_pool_or_empty_is_refused():
     with pytest.raises(ValueError, match="names are used"):
         held_out_collections(60, TEST_SEED, 60)
+    with pytest.raises(ValueError, match="at least one question"):
+        held_out_collections(60, TEST_SEED, 0)
