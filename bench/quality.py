@@ -1,5 +1,5 @@
-"""Quality of blending on the demo model: exact match, F1 and KV deviation from full prefill for
-every mode and recompute ratio, per question kind, with retrieval off and on.
+"""Quality of blending on the demo model: exact match, F1, KV deviation and teacher-forced KL from
+full prefill for every mode and recompute ratio, per question kind, with retrieval off and on.
 
     .venv/bin/python bench/quality.py --threads 2     # 300 held-out test questions, ~4 min
     .venv/bin/python bench/quality.py --questions 60 --no-retrieval
@@ -96,6 +96,8 @@ METRIC_FIELDS = [
     "agreement",
     "gold_logprob",
     "kv_deviation",
+    "tf_kl",
+    "tf_argmax_agreement",
     "ttft_ms",
 ]
 FIELDS = ["split", "seed", "retrieval", "mode", "recompute_ratio", *METRIC_FIELDS]
@@ -230,6 +232,10 @@ def summarize(records: list[Record], split: str) -> list[dict]:
                 "agreement": round(statistics.fmean(agree[(columns, config, kind)]), 4),
                 "gold_logprob": round(statistics.fmean(o.gold_logprob for o in outcomes), 4),
                 "kv_deviation": round(statistics.fmean(o.kv_deviation for o in outcomes), 4),
+                "tf_kl": round(statistics.fmean(o.tf_kl for o in outcomes), 6),
+                "tf_argmax_agreement": round(
+                    statistics.fmean(o.tf_argmax_agreement for o in outcomes), 4
+                ),
                 "ttft_ms": round(1000 * statistics.median(o.ttft_s for o in outcomes), 2),
             }
         )
@@ -369,9 +375,10 @@ def markdown_table(rows: list[dict], setting: str) -> str:
     header = (
         "| mode | "
         + " | ".join(f"{k} EM / F1" for k in kinds)
-        + " | agree w/ full | gold log p | KV deviation | TTFT ms (median) |"
+        + " | agree w/ full | gold log p | KV deviation | TF KL | TF argmax agree"
+        + " | TTFT ms (median) |"
     )
-    lines = [header, "|" + "---|" * (len(kinds) + 5)]
+    lines = [header, "|" + "---|" * (len(kinds) + 7)]
     by = {(label(r), r["kind"]): r for r in rows if r["retrieval"] == setting}
     for config in CONFIGS:
         name = label({"mode": config.mode.value, "recompute_ratio": config.recompute_ratio})
@@ -387,7 +394,8 @@ def markdown_table(rows: list[dict], setting: str) -> str:
             f"| {name} | "
             + " | ".join(cells)
             + f" | {total['agreement']:.3f} | {total['gold_logprob']:.2f}"
-            + f" | {total['kv_deviation']:.4f} | {total['ttft_ms']:.1f} |"
+            + f" | {total['kv_deviation']:.4f} | {total['tf_kl']:.4f}"
+            + f" | {total['tf_argmax_agreement']:.3f} | {total['ttft_ms']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -402,8 +410,9 @@ def baseline_table(rows: list[dict]) -> str:
     }
     lines = [
         "| check layer | r | context EM hkvd / random | all EM hkvd / random "
-        "| agree w/ full hkvd / random | gold log p hkvd / random | KV deviation hkvd / random |",
-        "|---|---|---|---|---|---|---|",
+        "| agree w/ full hkvd / random | gold log p hkvd / random | KV deviation hkvd / random "
+        "| TF KL hkvd / random |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for layer in BASELINE_CHECK_LAYERS:
         for ratio in RATIOS:
@@ -414,7 +423,8 @@ def baseline_table(rows: list[dict]) -> str:
                 f"| {ha['exact_match']:.3f} / {ra['exact_match']:.3f} "
                 f"| {ha['agreement']:.3f} / {ra['agreement']:.3f} "
                 f"| {ha['gold_logprob']:.2f} / {ra['gold_logprob']:.2f} "
-                f"| {ha['kv_deviation']:.4f} / {ra['kv_deviation']:.4f} |"
+                f"| {ha['kv_deviation']:.4f} / {ra['kv_deviation']:.4f} "
+                f"| {ha['tf_kl']:.4f} / {ra['tf_kl']:.4f} |"
             )
     for mode in (Mode.FULL_PREFILL, Mode.FULL_REUSE):
         context, total = (
@@ -424,7 +434,7 @@ def baseline_table(rows: list[dict]) -> str:
         lines.append(
             f"| {mode.value} | | {context['exact_match']:.3f} | {total['exact_match']:.3f} "
             f"| {total['agreement']:.3f} | {total['gold_logprob']:.2f} "
-            f"| {total['kv_deviation']:.4f} |"
+            f"| {total['kv_deviation']:.4f} | {total['tf_kl']:.4f} |"
         )
     return "\n".join(lines)
 

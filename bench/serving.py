@@ -47,13 +47,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from harness import (
+    MODEL_HELP,
     SHAPES,
-    build_model,
     build_store,
     median_seconds,
     store_chunks,
     synchronize,
     token_sampler,
+    workload_model,
 )
 
 from engine.engine import Engine
@@ -719,6 +720,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--shape", choices=SHAPES, help="default: llama-124m, mistral-7b on cuda")
+    parser.add_argument("--model", help=MODEL_HELP)
+    parser.add_argument("--tag", help="results file tag (default: the --model's name)")
     parser.add_argument("--quick", action="store_true", help="a ~1 minute smoke run")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument(
@@ -806,12 +809,13 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    tag = args.device + ("-quick" if args.quick else "")
+    label = args.tag or (Path(args.model.rstrip("/")).name.lower() if args.model else None)
+    tag = (f"{label}-" if label else "") + args.device + ("-quick" if args.quick else "")
     if args.from_csv:
         rebuild_from_csv(tag)
         return
     started = time.perf_counter()
-    loaded = build_model(args.shape, args.device, args.dtype)
+    loaded = workload_model(args)
     store = build_store(loaded)
     threads = torch.get_num_threads()
     notes: list[str] = []
@@ -831,7 +835,8 @@ def main() -> None:
         torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else "CPU"
     )
     header = [
-        f"{args.shape} (random init) {args.dtype} on {device_name}, torch {torch.__version__}, "
+        f"{args.model or f'{args.shape} (random init)'} {args.dtype} on {device_name}, "
+        f"torch {torch.__version__}, "
         f"{threads} torch threads; whole run {elapsed / 60:.1f} min.",
         "",
         "```",
@@ -849,7 +854,7 @@ def main() -> None:
     print()
     print(report)
     RESULTS.mkdir(exist_ok=True)
-    extra = {"device": args.device, "shape": args.shape, "dtype": args.dtype}
+    extra = {"device": args.device, "shape": label or args.shape, "dtype": args.dtype}
     write_csv(RESULTS / f"serving-{tag}.csv", [point_row(p) for p in points], extra)
     write_csv(RESULTS / f"serving-{tag}-summary.csv", summary, extra)
     write_csv(RESULTS / f"serving-{tag}-decode.csv", decode, extra)
@@ -861,8 +866,9 @@ def main() -> None:
             points,
             summary,
             DOCS / f"serving-{tag}.png",
-            f"{args.shape} {args.dtype} on {device_name}: {args.chunks}x{args.chunk_tokens}"
-            f"-token chunks + {args.question_tokens}-token question, {args.output_tokens} out",
+            f"{label or args.shape} {args.dtype} on {device_name}: "
+            f"{args.chunks}x{args.chunk_tokens}-token chunks + {args.question_tokens}-token "
+            f"question, {args.output_tokens} out",
         )
 
 

@@ -1,9 +1,11 @@
 """What every `ragblend SERVICE` command does: CLI flags derived from the service's settings
-class, settings from those flags over RAGBLEND_* env vars, then uvicorn."""
+class, settings from those flags over RAGBLEND_* env vars, then uvicorn (probes kept quiet)."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,9 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 _SCALARS = (int, float, str, Path)
+# Requested every few seconds by the gateway's health poller, `ragblend up`, load balancers and
+# Prometheus: one access line each would bury the real traffic, so a successful one is DEBUG.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # After SIGTERM a service drains its open requests for at most this long, then cancels them:
 # a busy service still ends within the grace of `ragblend up` (15 s) and of the compose file.
 GRACEFUL_SHUTDOWN_S = 10
@@ -72,6 +77,36 @@ def settings_from_args(
         raise SystemExit(f"ragblend {command}: invalid settings:\n{exc}") from None
 
 
+def is_quiet_probe(path: str, status: int) -> bool:
+    """A probe that succeeded: logged at DEBUG only (a failing one stays visible at INFO)."""
+    return path.split("?", 1)[0] in PROBE_PATHS and status < 400
+
+
+class QuietProbesFilter(logging.Filter):
+    """On uvicorn's access log: a successful probe becomes a DEBUG record, written only when
+    the access logger is enabled for DEBUG (`--log-level debug`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: (client, method, path with query, HTTP version, status).
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5 and isinstance(args[4], int)):
+            return True
+        if not is_quiet_probe(str(args[2]), args[4]):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def uvicorn_log_config() -> dict[str, Any]:
+    """uvicorn's own logging configuration, with successful probes kept off its access log."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["quiet_probes"] = {"()": QuietProbesFilter}
+    config["handlers"]["access"]["filters"] = ["quiet_probes"]
+    return config
+
+
 def serve(
     create_app: Callable[[Any], Any],
     settings: Any,
@@ -86,6 +121,7 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level=args.log_level.lower(),
+        log_config=uvicorn_log_config(),
         **uvicorn_options,
     )
     return 0

@@ -1,9 +1,10 @@
-"""How far a blended prefill's output is from full prefill's: first-token and top-k agreement
-and KL divergence of the first logits, agreeing prefix of greedy continuations. Pure functions."""
+"""How far a blended prefill's output is from full prefill's: first-token and top-k agreement,
+KL of the first logits, agreeing greedy prefix, teacher-forced answer deviation. Pure functions."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,3 +44,29 @@ def greedy_agreement(full: Sequence[int], blend: Sequence[int]) -> float:
             break
         agreeing += 1
     return agreeing / len(blend)
+
+
+@dataclass(frozen=True)
+class AnswerDeviation:
+    """Teacher-forced deviation over an answer: mean KL(full ‖ setting) per answer position
+    and the share of positions whose most likely token agrees."""
+
+    kl: float
+    argmax_agreement: float
+    positions: int
+
+
+def answer_deviation(full: torch.Tensor, other: torch.Tensor) -> AnswerDeviation:
+    """Compare next-token logits [positions, vocab] at the same answer positions: full
+    prefill's, and a setting's fed the same answer tokens after its own prompt KV. Computed
+    in float64 so that equal logits give ~0, not float32 noise."""
+    if full.shape != other.shape or full.dim() != 2 or full.shape[0] == 0:
+        raise ValueError(
+            f"expected two [positions, vocab] logits of one non-empty shape, got "
+            f"{tuple(full.shape)} and {tuple(other.shape)}"
+        )
+    log_p = torch.log_softmax(full.detach().to("cpu", torch.float64), dim=-1)
+    log_q = torch.log_softmax(other.detach().to("cpu", torch.float64), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
+    agree = (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).double()
+    return AnswerDeviation(float(kl.mean()), float(agree.mean()), int(full.shape[0]))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import AttentionPlan
 from engine.layers import LayerRunner
 from engine.plan import ChunkSource, PrefillPlan
 from engine.selection import (
@@ -97,8 +98,7 @@ def run_prefill(
     if blending:
         active = torch.cat([active, blend_positions]).sort().values
     is_blend = torch.isin(active, blend_positions)
-    blocks = runner.attention_blocks(active.tolist())
-    cos_active, sin_active = cos[active], sin[active]
+    computed = _Computed(runner, active, cos, sin, streamed_spans)
     h = runner.embed(torch.tensor(plan.token_ids, device=device)[active])
 
     first_needed = plan.first_streamed_layer
@@ -113,24 +113,29 @@ def run_prefill(
         if prefix_kv is not None:
             k_layer[:, : plan.prefix_len] = prefix_kv.keys[i]
             v_layer[:, : plan.prefix_len] = prefix_kv.values[i]
-        if streamed:
-            for (start, length), (k_cached, v_cached) in zip(streamed_spans, streamed, strict=True):
-                end = start + length
-                k_layer[:, start:end] = runner.rotate(k_cached, cos[start:end], sin[start:end])
-                v_layer[:, start:end] = v_cached
+        for slot, (k_cached, v_cached) in enumerate(streamed):
+            if computed.covers_chunk[slot]:
+                continue  # every token of the chunk is computed in this layer: nothing reused
+            start, length = streamed_spans[slot]
+            end = start + length
+            k_layer[:, start:end] = runner.rotate(k_cached, cos[start:end], sin[start:end])
+            v_layer[:, start:end] = v_cached
 
         num_computed = h.shape[0]
         q, k, v = runner.project_qkv(i, h)
         if pre_rope is not None:
-            pre_rope[i][:, active] = k
-        q = runner.rotate(q, cos_active, sin_active)
-        k_layer[:, active] = runner.rotate(k, cos_active, sin_active)
-        v_layer[:, active] = v
+            computed.write(pre_rope[i], k)
+        q = runner.rotate(q, computed.cos, computed.sin)
+        computed.write(k_layer, runner.rotate(k, computed.cos, computed.sin))
+        computed.write(v_layer, v)
 
-        if i in ratios:
-            budget = selection_budget(ratios[i], blend_positions.numel())
+        budget = selection_budget(ratios[i], blend_positions.numel()) if i in ratios else None
+        num_candidates = int(is_blend.sum())
+        # A budget that keeps every candidate selects them all: HKVD needs no deviation then
+        # (the random baseline still draws, so its generator stays where later checks expect).
+        if budget is not None and (budget < num_candidates or generator is not None):
             if generator is not None:
-                chosen = select_random(int(is_blend.sum()), budget, generator).to(device)
+                chosen = select_random(num_candidates, budget, generator).to(device)
             else:
                 cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
                 cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
@@ -142,10 +147,9 @@ def run_prefill(
             keep = ~is_blend
             keep[is_blend.nonzero()[chosen, 0]] = True
             active, is_blend, h, q = active[keep], is_blend[keep], h[keep], q[:, keep]
-            blocks = runner.attention_blocks(active.tolist())
-            cos_active, sin_active = cos[active], sin[active]
+            computed = _Computed(runner, active, cos, sin, streamed_spans)
 
-        attn_out = runner.attend(i, q, k_layer, v_layer, active, blocks)
+        attn_out = runner.attend(i, q, k_layer, v_layer, computed.attention)
         h = runner.finish_layer(i, h, attn_out)
         layer_computes.append(LayerCompute(i, compute_start, time.perf_counter(), num_computed))
 
@@ -159,3 +163,43 @@ def run_prefill(
         layer_computes=layer_computes,
         pre_rope_keys=pre_rope,
     )
+
+
+# Beyond this many contiguous runs, the computed positions' KV is written by one indexed copy.
+_MAX_SLICED_RUNS = 16
+
+
+class _Computed:
+    """The positions a layer computes, with what follows from them until a check layer narrows
+    them: RoPE tables, the attention plan, the streamed chunks they cover whole, and how to
+    write their KV (slices for a few contiguous runs, else one indexed copy)."""
+
+    def __init__(
+        self,
+        runner: LayerRunner,
+        active: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        streamed_spans: list[tuple[int, int]],
+    ):
+        positions = active.tolist()
+        self.active = active
+        self.cos, self.sin = cos[active], sin[active]
+        self.attention: AttentionPlan = runner.attention_plan(positions)
+        starts = [
+            i for i in range(len(positions)) if i == 0 or positions[i] != positions[i - 1] + 1
+        ]
+        self.runs = [
+            (s, e, positions[s]) for s, e in zip(starts, [*starts[1:], len(positions)], strict=True)
+        ]
+        flags = torch.zeros(int(cos.shape[0]), dtype=torch.bool)
+        flags[active.cpu()] = True
+        self.covers_chunk = [bool(flags[s : s + n].all()) for s, n in streamed_spans]
+
+    def write(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """cache[:, active] = rows, for a cache [H_kv, T, D] and rows [H_kv, n, D]."""
+        if len(self.runs) > _MAX_SLICED_RUNS:
+            cache.index_copy_(1, self.active, rows)
+            return
+        for start, end, position in self.runs:
+            cache[:, position : position + end - start] = rows[:, start:end]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from common.serving import add_settings_flags, serve, settings_from_args
 from engine.api.settings import EngineSettings
@@ -18,5 +19,15 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.api.main import create_app
+    from engine.errors import ModelNotFoundError, ModelNotSupportedError
+    from engine.model import resolve_checkpoint
 
-    return serve(create_app, settings_from_args(EngineSettings, args, "engine"), args)
+    settings = settings_from_args(EngineSettings, args, "engine")
+    # A GGUF is converted (or found converted) before the server starts, so that a damaged
+    # file or another architecture is one line, not a traceback from the app's startup.
+    try:
+        resolve_checkpoint(settings.model)
+    except (ModelNotFoundError, ModelNotSupportedError) as exc:
+        print(f"ragblend engine: error: {exc}", file=sys.stderr)
+        return 2
+    return serve(create_app, settings, args)

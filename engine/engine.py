@@ -39,12 +39,14 @@ from engine.slots import SlotTable
 from engine.streaming import Generation
 from engine.types import (
     DEFAULT_RECOMPUTE_RATIO,
+    NO_PENALTIES,
     Chunk,
     ChunkOrder,
     ChunkWrite,
     GenerateRequest,
     GenerateResult,
     Mode,
+    Penalties,
     PrecomputeResult,
     Timings,
     TokenDelta,
@@ -90,7 +92,8 @@ class Engine:
     `max_waiting` more requests queue beyond the free slots; past that `start()` raises
     QueueFullError. `shadow` samples blended requests for shadow checks (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes: HKVD (CacheBlend's), or `random` of the
-    same budget, a research baseline.
+    same budget, a research baseline. `default_penalties` apply to requests that leave a
+    penalty unset.
     """
 
     def __init__(
@@ -111,8 +114,10 @@ class Engine:
         kv_read_delay_s: float = 0.0,
         shadow: ShadowConfig | None = None,
         selection: Selection = Selection.HKVD,
+        default_penalties: Penalties = NO_PENALTIES,
     ):
         self.loaded = loaded
+        self.default_penalties = default_penalties
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.store = store
@@ -151,7 +156,10 @@ class Engine:
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self.shadow = Shadow(self.layers, shadow or ShadowConfig())
         self.worker = Worker(
-            self._step, lambda: self.scheduler.has_work, idle=self.shadow.run_piece
+            self._step,
+            lambda: self.scheduler.has_work,
+            idle=self.shadow.run_piece,
+            idle_every_steps=self.shadow.config.every_steps,
         )
 
     @classmethod
@@ -381,6 +389,7 @@ class Engine:
             request=request,
             layout=layout,
             sampler=Sampler(request.temperature, request.top_p, request.seed),
+            penalties=request.penalties(self.default_penalties),
             text=IncrementalText(self.tokenizer, request.stop),
             emit=emit,
             arrival_s=time.perf_counter(),
@@ -466,13 +475,18 @@ class Engine:
         seq.prefill, seq.num_cached = prefill, num_tokens
         for tokens in prefill.missing_chunks:
             self.worker.submit(functools.partial(self._write_back, tokens))
+        # Penalised tokens are no greedy continuation that the shadow's full prefill could match.
         seq.shadow = self.shadow.sample(
             request.mode,
             seq.layout.token_ids,
-            request.temperature == 0.0,
+            request.temperature == 0.0 and seq.penalties.neutral,
             prefill.blend.fell_back_to_full_prefill,
+            (prefill.output.keys, prefill.output.values),
         )
-        self._accept(seq, prefill.output.logits)
+        logits = prefill.output.logits
+        if not seq.penalties.neutral:
+            self.runner.penalties.start(seq.slot, seq.layout.token_ids)
+        self._accept(seq, self._penalised([seq], logits[None])[0], logits)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         try:
@@ -486,15 +500,22 @@ class Engine:
             for seq in seqs:
                 self._fail(seq, exc)
             return
-        for seq, row in zip(seqs, logits, strict=True):
+        penalised = self._penalised(seqs, logits)
+        for seq, row, raw in zip(seqs, penalised, logits, strict=True):
             seq.num_cached += 1
-            self._accept(seq, row)
+            self._accept(seq, row, raw)
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token, hand its text to the consumer, and decide whether to stop."""
+    def _penalised(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] with each sequence's penalties applied, in one batched operation."""
+        slots = [s.slot for s in seqs]
+        return self.runner.penalties.apply(logits, slots, [s.penalties for s in seqs])  # type: ignore[arg-type]
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor, raw_logits: torch.Tensor) -> None:
+        """Sample the next token from the (penalised) logits, hand its text to the consumer, and
+        decide whether to stop. The shadow check compares the model's own, raw logits."""
         token = seq.sampler(logits)
         if seq.shadow is not None:
-            seq.shadow.observe(logits, token)
+            seq.shadow.observe(raw_logits, token)
         now = time.perf_counter()
         if seq.first_token_s is None:
             seq.first_token_s = now
@@ -509,6 +530,8 @@ class Engine:
             self._finish(seq, "length")
         else:
             seq.next_token = token
+            if not seq.penalties.neutral:
+                self.runner.penalties.add(seq.slot, token)  # type: ignore[arg-type]
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         seq.finish_reason = "error"

@@ -27,3 +27,8 @@ class GenerationCancelled(Exception):
 
 class QueueFullError(RuntimeError):
     """The wait queue and the KV pool are both full; retry later."""
+
+
+class ModelCorruptError(ModelNotFoundError):
+    """A checkpoint file that cannot be read (a damaged or truncated GGUF); reported wherever a
+    missing model is."""

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-# Queries per attention call when only some positions are computed.
-ATTENTION_BLOCK = 256
+from engine.attention import AttentionPlan, QuerySpan
 
 
 @dataclass(frozen=True)
@@ -93,21 +92,9 @@ class LayerRunner:
             q, k = attn.q_norm(q), attn.k_norm(k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-    def attention_blocks(self, query_positions: list[int]) -> list[tuple[int, int, int]]:
-        """Split sorted query positions into blocks (first query, end query, keys needed).
-
-        A block of queries whose last position is p needs only keys 0..p, so attention over
-        blocks skips most of what a causal kernel skips, also for scattered queries.
-        """
-        num = len(query_positions)
-        return [
-            (
-                start,
-                min(start + ATTENTION_BLOCK, num),
-                query_positions[min(start + ATTENTION_BLOCK, num) - 1] + 1,
-            )
-            for start in range(0, num, ATTENTION_BLOCK)
-        ]
+    def attention_plan(self, query_positions: list[int]) -> AttentionPlan:
+        """How every layer attends from these sorted, unique query positions (AttentionPlan)."""
+        return AttentionPlan(query_positions, self.dtype, self.device)
 
     def attend(
         self,
@@ -115,42 +102,59 @@ class LayerRunner:
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        query_positions: torch.Tensor,
-        blocks: list[tuple[int, int, int]],
+        plan: AttentionPlan,
     ) -> torch.Tensor:
         """Attention of rotated q [H, n, D] over keys/values [H_kv, T, D] -> [n, H*D].
 
-        `query_positions` are sorted and unique, `blocks` from attention_blocks(). A query at
-        position p sees exactly the keys at positions <= p (and inside the sliding window, if
-        the layer has one); when every position is a query, that is the plain causal kernel.
+        The n queries are `plan`'s positions. A query at position p sees exactly the keys at
+        positions <= p (and inside the sliding window, if the layer has one).
         """
         window = self.windows[index]
         scale = self.layers[index].self_attn.scaling
-        num_keys = keys.shape[1]
-        if q.shape[1] == num_keys and (window is None or num_keys <= window):
-            out = F.scaled_dot_product_attention(
-                q[None], keys[None], values[None], is_causal=True, scale=scale, enable_gqa=True
-            )[0]
-        else:
-            parts = []
-            for start, end, key_end in blocks:
-                positions = query_positions[start:end, None]
-                key_positions = torch.arange(key_end, device=q.device)[None, :]
-                mask = key_positions <= positions
-                if window is not None:
-                    mask &= key_positions > positions - window
+        parts = []
+        for span in plan.spans:
+            if span.causal and (window is None or span.key_end <= window):
+                parts.append(self._attend_causal(q, keys, values, plan, span, scale))
+                continue
+            for block in plan.blocks(span):
                 parts.append(
                     F.scaled_dot_product_attention(
-                        q[None, :, start:end],
-                        keys[None, :, :key_end],
-                        values[None, :, :key_end],
-                        attn_mask=mask,
+                        q[None, :, block.start : block.end],
+                        keys[None, :, : block.key_end],
+                        values[None, :, : block.key_end],
+                        attn_mask=plan.mask(block, window),
                         scale=scale,
                         enable_gqa=True,
                     )[0]
                 )
-            out = torch.cat(parts, dim=1)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+    def _attend_causal(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        plan: AttentionPlan,
+        span: QuerySpan,
+        scale: float,
+    ) -> torch.Tensor:
+        """The run's queries as the last rows of a causal square over keys 0..key_end-1; the
+        padding rows in front (zeros, their outputs dropped) align the kernel's diagonal."""
+        padding = span.key_end - (span.end - span.start)
+        queries = q[:, span.start : span.end]
+        if padding:
+            queries = plan.padded_queries(span, q.shape[0], q.shape[2])
+            queries[:, padding:] = q[:, span.start : span.end]
+        out = F.scaled_dot_product_attention(
+            queries[None],
+            keys[None, :, : span.key_end],
+            values[None, :, : span.key_end],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )[0]
+        return out[:, padding:]
 
     def finish_layer(self, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP block of layer `index`."""

@@ -9,12 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.errors import ModelNotFoundError, ModelNotSupportedError
+from engine.gguf import convert_gguf, is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +26,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Values sampled per weight tensor for the fingerprint: enough to tell two inits apart, cheap
 # enough to hash a 70B model at load.
 _FINGERPRINT_SAMPLES = 4096
+# Converted GGUF checkpoints, beside the SSD tier's default data/kv.
+DEFAULT_MODEL_CACHE = Path("data/models")
 
 
 @dataclass
@@ -42,12 +47,34 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
 
 
-def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
-    """Load a local checkpoint directory or a hub id from the local cache.
+def model_cache_dir() -> Path:
+    """Where GGUF conversions are kept: RAGBLEND_MODEL_CACHE, else data/models."""
+    return Path(os.environ.get("RAGBLEND_MODEL_CACHE") or DEFAULT_MODEL_CACHE)
 
-    Raises ModelNotFoundError when nothing is there, ModelNotSupportedError for another family.
+
+def resolve_checkpoint(path: str, cache_dir: Path | None = None) -> str:
+    """`path` itself, or for a GGUF file (or a folder holding one) its converted checkpoint
+    folder in `cache_dir` (default model_cache_dir()), converting it on first use.
+
+    Raises ModelNotFoundError, ModelNotSupportedError or ModelCorruptError (engine.gguf).
+    """
+    if not is_gguf(path):
+        return path
+    return str(convert_gguf(path, cache_dir or model_cache_dir()))
+
+
+def load_model(
+    path: str, device: str = "cpu", dtype: str = "float32", cache_dir: Path | None = None
+) -> LoadedModel:
+    """Load a local checkpoint directory, a GGUF file (converted once, see resolve_checkpoint)
+    or a hub id from the local cache.
+
+    Raises ModelNotFoundError when nothing is there (ModelCorruptError, a kind of it, for an
+    unreadable GGUF), ModelNotSupportedError for another family.
     """
     torch_dtype = parse_dtype(dtype)
+    source = path
+    path = resolve_checkpoint(path, cache_dir)
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -70,7 +97,7 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32") -> Loaded
     fingerprint = model_fingerprint(model)
     log.info(
         "loaded %s (%s, %s on %s), fingerprint %s",
-        path,
+        source,
         config.model_type,
         dtype,
         device,

@@ -16,9 +16,6 @@ from engine.types import Mode
 
 class ChunkSource(StrEnum):
     COMPUTE = "compute"  # no usable cache: computed in every layer
-    EXACT = (
-        "exact"  # cached KV is exactly what full prefill gives (the chunk follows the BOS prefix)
-    )
     BLEND = "blend"  # cached KV, a selected fraction recomputed
 
 
@@ -47,10 +44,9 @@ class PrefillPlan:
     def first_streamed_layer(self) -> int:
         """The first layer whose chunk KV the blend loop reads. Before the first check layer
         every blended token is recomputed, so its cached KV is not needed there, unless the
-        plan does not select (ratio 0, nothing to blend) or an exact chunk, never recomputed,
-        shares the stream."""
+        plan does not select (ratio 0, nothing to blend)."""
         selects = self.recompute_ratio > 0 and self.count_tokens(ChunkSource.BLEND) > 0
-        if not selects or not self.check_layers or ChunkSource.EXACT in self.chunk_sources:
+        if not selects or not self.check_layers:
             return 0
         return min(self.check_layers)
 
@@ -90,28 +86,21 @@ def plan_prefill(
     mode: Mode,
     chunk_cached: Sequence[bool],
     prefix_cached: bool,
-    chunk_prefix: tuple[int, ...],
     recompute_ratio: float,
     check_layers: tuple[int, ...],
     selection: Selection = Selection.HKVD,
 ) -> PrefillPlan:
     """Decide each chunk's KV source for `mode`.
 
-    A cached first chunk directly behind a prefix equal to the chunk-precompute prefix is an
-    exact prefix hit in every reuse mode; `prefix_cache` reuses nothing else, `full_reuse` is
-    blending with ratio 0, and `full_prefill` reuses nothing at all.
+    Cached chunks are blended in `cacheblend` and `full_reuse` (blending with ratio 0);
+    `prefix_cache` reuses only the cached prompt prefix and `full_prefill` nothing at all. No
+    chunk is ever an exact hit: every prompt's prefix holds the template and the system prompt,
+    so no chunk follows exactly the chunk-precompute prefix its KV was computed behind.
     """
-    exact_first = bool(chunk_cached) and chunk_cached[0] and layout.prefix == chunk_prefix
-    sources = []
-    for j, cached in enumerate(chunk_cached):
-        if mode is Mode.FULL_PREFILL or not cached:
-            sources.append(ChunkSource.COMPUTE)
-        elif j == 0 and exact_first:
-            sources.append(ChunkSource.EXACT)
-        elif mode is Mode.PREFIX_CACHE:
-            sources.append(ChunkSource.COMPUTE)
-        else:
-            sources.append(ChunkSource.BLEND)
+    blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
+    sources = [
+        ChunkSource.BLEND if blends and cached else ChunkSource.COMPUTE for cached in chunk_cached
+    ]
     ratio = {Mode.FULL_REUSE: 0.0, Mode.FULL_PREFILL: 1.0, Mode.PREFIX_CACHE: 1.0}.get(
         mode, recompute_ratio
     )

@@ -46,10 +46,7 @@ class Prefill:
         blend_tokens = plan.count_tokens(ChunkSource.BLEND)
         return Usage(
             prompt_tokens=plan.num_tokens,
-            cached_tokens=(plan.prefix_len if plan.prefix_cached else 0)
-            + plan.count_tokens(ChunkSource.EXACT)
-            + blend_tokens
-            - selected,
+            cached_tokens=(plan.prefix_len if plan.prefix_cached else 0) + blend_tokens - selected,
             recomputed_tokens=plan.count_tokens(ChunkSource.COMPUTE) + selected,
         )
 
@@ -80,7 +77,6 @@ class RatioChoice:
     check_layers: tuple[int, ...]
     chosen_by: str  # "request", "engine" or "controller"
     full_prefill: bool = False  # the controller found blending slower than a full prefill
-    keep_exact: bool = False  # that fallback loads the exact first chunk: its load is hidden
 
 
 class Prefiller:
@@ -147,41 +143,37 @@ class Prefiller:
         `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
         engine has none. A missing chunk is computed in full; a chunk that turns out bad while
         streaming is dropped and the prefill runs again without it, so a bad entry never fails
-        a request. When the controller falls back, only exact KV is reused, and the streams
-        opened for blending probe the tiers while the prompt is computed. `opened` is the
-        stream `open_ahead` returned for this prompt (the prefill takes it over and closes it).
+        a request. When the controller falls back, only the cached prefix is reused, and the
+        stream opened for blending probes the tiers while the prompt is computed. `opened` is
+        the stream `open_ahead` returned for this prompt (the prefill takes it over and closes
+        it; a retry opens a fresh one).
         """
         start = time.perf_counter()
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         reuse = mode is not Mode.FULL_PREFILL
         prefix_kv = self.prefix_cache.get(layout.prefix) if reuse else None
         excluded: set[str] = set()
-        first_layer = self._first_layer(layout, mode, recompute_ratio)
+        first_layer = self._first_layer(mode, recompute_ratio)
         while True:
             stream: KVLayerStream | None
             if opened is not None:
                 stream, opened = opened, None
             else:
-                stream = self._open(layout, mode, keys, excluded, first_layer)
+                stream = self._open(mode, keys, excluded, first_layer)
             present = stream.present if stream is not None else [False] * len(keys)
             tiers: list[str | None] = stream.tiers if stream is not None else [None] * len(keys)
-            exact: KVLayerStream | None = None
             try:
                 choice = self._choose(layout, mode, recompute_ratio, tiers, prefix_kv is not None)
+                used: KVLayerStream | None = None
                 if choice.full_prefill:
-                    # The fallback reuses only what is exact: the cached prefix and, when its
-                    # load hides behind the compute, the exact first chunk, read by a stream of
-                    # its own. `stream` stays unread but open until the compute is done: its
-                    # loader, already at work, probes the tier off the critical path.
-                    if choice.keep_exact:
-                        exact = self._open_exact(keys[0])
-                    used = exact if exact is not None and exact.present[0] else None
+                    # The fallback reuses only the cached prefix. `stream` stays unread but open
+                    # until the compute is done: its loader, already at work, probes the tier
+                    # off the critical path.
                     plan = plan_prefill(
                         layout,
                         Mode.PREFIX_CACHE,
-                        [j == 0 and used is not None for j in range(len(keys))],
+                        [False] * len(keys),
                         prefix_kv is not None,
-                        self.chunk_prefix,
                         1.0,
                         choice.check_layers,
                     )
@@ -191,7 +183,6 @@ class Prefiller:
                         mode,
                         present,
                         prefix_kv is not None,
-                        self.chunk_prefix,
                         choice.recompute_ratio,
                         choice.check_layers,
                         self.selection,
@@ -208,9 +199,8 @@ class Prefiller:
                 excluded.update(keys if exc.key is None else [exc.key])
                 continue
             finally:
-                for opened in (stream, exact):
-                    if opened is not None:
-                        opened.close()
+                if stream is not None:
+                    stream.close()
             break
         if reuse and prefix_kv is None:
             end = plan.prefix_len
@@ -223,7 +213,6 @@ class Prefiller:
             output,
             stream if choice.full_prefill else None,
             used,
-            layout.chunks[:1] if choice.full_prefill else layout.chunks,
         )
         # Only the blending modes stream every chunk, so only they know which had no KV.
         blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
@@ -248,11 +237,11 @@ class Prefiller:
             time.perf_counter() - start,
         )
 
-    def _first_layer(self, layout: PromptLayout, mode: Mode, requested: float | None) -> int:
+    def _first_layer(self, mode: Mode, requested: float | None) -> int:
         """The lowest layer the plan can read from the stream, known before it is made: the
         first check layer when cacheblend selects (a ratio above 0: the controller's is at
-        least its floor, and its check layers only move up) and no chunk can be exact."""
-        if mode is not Mode.CACHEBLEND or layout.prefix == self.chunk_prefix:
+        least its floor, and its check layers only move up)."""
+        if mode is not Mode.CACHEBLEND:
             return 0
         ratio = requested if requested is not None else self.recompute_ratio
         if ratio is None:
@@ -265,43 +254,22 @@ class Prefiller:
         """The stream `prefill` would open first for this prompt, opened now: the store's one
         loader reads its first layers while the prompts ahead of it in the step compute."""
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
-        return self._open(
-            layout, mode, keys, set(), self._first_layer(layout, mode, recompute_ratio)
-        )
+        return self._open(mode, keys, set(), self._first_layer(mode, recompute_ratio))
 
     def _open(
-        self,
-        layout: PromptLayout,
-        mode: Mode,
-        keys: list[str],
-        excluded: set[str],
-        first_layer: int,
+        self, mode: Mode, keys: list[str], excluded: set[str], first_layer: int
     ) -> KVLayerStream | None:
-        """Streams of every chunk the mode could reuse (a key in `excluded` counts as absent),
-        from `first_layer`; opened before planning, so the loader starts while the plan is
-        made."""
-        if mode is Mode.FULL_PREFILL or not keys:
+        """Streams of every chunk the mode blends (a key in `excluded` counts as absent), from
+        `first_layer`; opened before planning, so the loader starts while the plan is made.
+        `full_prefill` and `prefix_cache` read no chunk KV."""
+        if mode not in (Mode.CACHEBLEND, Mode.FULL_REUSE) or not keys:
             return None
-        if mode is Mode.PREFIX_CACHE:
-            # Only a first chunk right behind the chunk-precompute prefix can be an exact hit.
-            usable = [j == 0 and layout.prefix == self.chunk_prefix for j in range(len(keys))]
-        else:
-            usable = [True] * len(keys)
-        wanted = [
-            key if ok and key not in excluded else None
-            for key, ok in zip(keys, usable, strict=True)
-        ]
+        wanted = [None if key in excluded else key for key in keys]
         return self.store.open_stream(
             wanted,
             device=self.runner.device,
             read_delay_s=self.kv_read_delay_s,
             first_layer=first_layer,
-        )
-
-    def _open_exact(self, key: str) -> KVLayerStream:
-        """Every layer of one chunk, for a fallback that reuses it as an exact hit."""
-        return self.store.open_stream(
-            [key], device=self.runner.device, read_delay_s=self.kv_read_delay_s
         )
 
     def _choose(
@@ -321,23 +289,11 @@ class Prefiller:
         if mode is not Mode.CACHEBLEND or not any(tiers):
             return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
         num_layers = self.runner.shape.num_layers
-        # The fallback reuses the cached prefix and an exact first chunk too: either way the
-        # compute to compare with the loads is that of the other tokens.
-        exact = bool(tiers) and tiers[0] is not None and layout.prefix == self.chunk_prefix
-        computed = (
-            layout.num_tokens
-            - (len(layout.prefix) if prefix_cached else 0)
-            - (len(layout.chunks[0]) if exact else 0)
-        )
+        # The fallback reuses the cached prefix too: either way the compute to compare with
+        # the loads is that of the other tokens.
+        computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
         decision = self.controller.decide(
             computed, self._layer_bytes(layout.chunks, tiers), num_layers
-        )
-        keep_exact = (
-            exact
-            and decision.full_prefill
-            and not self.controller.decide(
-                computed, self._layer_bytes(layout.chunks[:1], tiers[:1]), num_layers
-            ).full_prefill
         )
         shift = decision.leading_layers - self.check_layers[0]
         checks = tuple(c + shift for c in self.check_layers if c + shift < num_layers)
@@ -346,7 +302,6 @@ class Prefiller:
             checks or (decision.leading_layers,),
             "controller",
             decision.full_prefill,
-            keep_exact,
         )
 
     def _layer_bytes(
@@ -368,15 +323,14 @@ class Prefiller:
         output: PrefillOutput,
         probe: KVLayerStream | None,
         used: KVLayerStream | None,
-        used_chunks: tuple[tuple[int, ...], ...],
     ) -> None:
         """Feed the controller what this prefill measured: the loader's time per layer of the
-        fallback's probe (over every chunk) and of the stream the layer loop read (over
-        `used_chunks`), and the time of the layers computed for every token."""
+        fallback's probe or of the stream the layer loop read (over every chunk), and the
+        time of the layers computed for every token."""
         if probe is not None:
             self._observe_stream(layout.chunks, probe, probe=True)
         if used is not None:
-            self._observe_stream(used_chunks, used, probe=False)
+            self._observe_stream(layout.chunks, used, probe=False)
         widest = max((c.num_tokens for c in output.layer_computes), default=0)
         for c in output.layer_computes:
             if c.num_tokens == widest:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers import LayerRunner
+from engine.penalties import PenaltyState
 
 
 class ModelRunner:
@@ -34,6 +35,8 @@ class ModelRunner:
             ) from exc
         self.cos, self.sin = layers.rope_tables(slot_tokens)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
+        vocab_size = layers.model.lm_head.weight.shape[0]  # the width of the logits
+        self.penalties = PenaltyState(num_slots, vocab_size, layers.device)
 
     @staticmethod
     def pool_bytes(layers: LayerRunner, num_slots: int, slot_tokens: int) -> int:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.detokenize import IncrementalText
 from engine.prompt import PromptLayout
-from engine.types import GenerateRequest, GenerateResult, TokenDelta
+from engine.types import NO_PENALTIES, GenerateRequest, GenerateResult, Penalties, TokenDelta
 
 if TYPE_CHECKING:
     from engine.prefill import Prefill
@@ -36,6 +36,7 @@ class Sequence:
     text: IncrementalText
     emit: Callable[[Event], None]  # hands an event to the consumer; called on the engine thread
     arrival_s: float
+    penalties: Penalties = NO_PENALTIES  # the request's, the engine's defaults filled in
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None

@@ -50,6 +50,36 @@ class ChunkOrder(StrEnum):
 
 
 DEFAULT_RECOMPUTE_RATIO = 0.15
+MAX_ADDITIVE_PENALTY = 2.0  # OpenAI's bound of presence_penalty and frequency_penalty
+MAX_REPETITION_PENALTY = 2.0
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Sampling penalties as OpenAI and vLLM define them: `presence` and `frequency` are
+    subtracted from the logit of every token generated so far, once and once per occurrence;
+    a positive logit of a token of the prompt or the output is divided by `repetition`, a
+    negative one multiplied. 0, 0 and 1 (the defaults) change nothing."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+    def __post_init__(self) -> None:
+        additive = (("presence_penalty", self.presence), ("frequency_penalty", self.frequency))
+        for name, value in additive:
+            if not (math.isfinite(value) and abs(value) <= MAX_ADDITIVE_PENALTY):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        repetition = self.repetition
+        if not (math.isfinite(repetition) and 0.0 < repetition <= MAX_REPETITION_PENALTY):
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 2], got {repetition}")
+
+    @property
+    def neutral(self) -> bool:
+        return self.presence == 0.0 and self.frequency == 0.0 and self.repetition == 1.0
+
+
+NO_PENALTIES = Penalties()
 
 
 @dataclass(frozen=True)
@@ -62,7 +92,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One question over chunks. `recompute_ratio=None` takes the engine's default."""
+    """One question over chunks. `recompute_ratio=None` takes the engine's default, and so
+    does each penalty left None (the engine's default penalties)."""
 
     question: str
     chunks: tuple[Chunk, ...] = ()
@@ -73,6 +104,9 @@ class GenerateRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, like vLLM's option)
     # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
@@ -97,6 +131,15 @@ class GenerateRequest:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        self.penalties(NO_PENALTIES)  # raises for a penalty out of range
+
+    def penalties(self, default: Penalties) -> Penalties:
+        """The request's penalties, each one it leaves None taken from `default`."""
+        return Penalties(
+            default.presence if self.presence_penalty is None else self.presence_penalty,
+            default.frequency if self.frequency_penalty is None else self.frequency_penalty,
+            default.repetition if self.repetition_penalty is None else self.repetition_penalty,
+        )
 
 
 @dataclass

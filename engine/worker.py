@@ -1,6 +1,6 @@
 """The engine's one model thread: engine steps while sequences wait or run, background work
 (precompute, KV write-back) between steps when idle or once it has waited too long, and idle
-work (shadow checks) only when there is nothing else to do."""
+work (shadow checks) when there is nothing else to do, plus one piece every N steps."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ BACKGROUND_MAX_WAIT_S = 2.0
 class Worker:
     """Calls `step()` while `has_work()`; runs submitted background callables FIFO in between;
     with neither, calls `idle()` (one short piece of work; False: none left) until it says so.
+    With `idle_every_steps` N > 0, `idle()` also runs once after every N steps under load, so
+    that idle work keeps a share of a busy engine.
 
     `step`, `has_work` and `idle` run on the worker thread only; `wake()` tells it that new
     work came.
@@ -34,10 +36,15 @@ class Worker:
         has_work: Callable[[], bool],
         name: str = "ragblend-engine",
         idle: Callable[[], bool] = lambda: False,
+        idle_every_steps: int = 0,
     ):
+        if idle_every_steps < 0:
+            raise ValueError(f"idle_every_steps must be >= 0, got {idle_every_steps}")
         self._step = step
         self._has_work = has_work
         self._idle = idle
+        self._idle_every_steps = idle_every_steps
+        self._steps_since_idle = 0
         self._background: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -110,11 +117,15 @@ class Worker:
                     self._step()
                 except Exception:  # a step reports its own failures to its sequences
                     log.exception("engine step failed")
+                self._steps_since_idle += 1
             task = self._next_background(busy)
             if task is not None:
                 task()
                 continue
             if busy:
+                if self._idle_every_steps and self._steps_since_idle >= self._idle_every_steps:
+                    self._steps_since_idle = 0
+                    self._run_idle()
                 continue
             if not self._closing and self._run_idle():
                 continue

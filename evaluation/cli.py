@@ -48,6 +48,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=5, help="passages retrieved per question")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per answer")
     parser.add_argument(
+        "--teacher-forced-tokens",
+        type=int,
+        default=16,
+        help="tokens of full prefill's greedy answer fed after each setting's KV (1-256)",
+    )
+    parser.add_argument(
         "--chunk-order",
         choices=[o.value for o in ChunkOrder],
         default=ChunkOrder.BEST_FIRST.value,
@@ -79,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             corpus=args.corpus,
             top_k=args.top_k,
             max_tokens=args.max_tokens,
+            teacher_forced_tokens=args.teacher_forced_tokens,
             chunk_order=args.chunk_order,
             limit=args.limit,
             device=args.device,

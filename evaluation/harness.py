@@ -97,7 +97,15 @@ def evaluate(dataset: Path | str, out_dir: Path | str | None = None, **options: 
             disable=not opts.progress,
         ):
             outcomes.extend(
-                answer_record(engine, record, passages, settings, opts.max_tokens, opts.chunk_order)
+                answer_record(
+                    engine,
+                    record,
+                    passages,
+                    settings,
+                    opts.max_tokens,
+                    opts.chunk_order,
+                    opts.teacher_forced_tokens,
+                )
             )
     finally:
         engine.close()

@@ -26,6 +26,9 @@ class EvalOptions(BaseModel):
     corpus: Path | None = Field(None, description="JSONL documents to retrieve from")
     top_k: int = Field(5, ge=1, le=100)
     max_tokens: int = Field(32, ge=1, le=4096)
+    teacher_forced_tokens: int = Field(
+        16, ge=1, le=256, description="tokens of full prefill's greedy answer fed to each setting"
+    )
     chunk_order: ChunkOrder = Field(
         ChunkOrder.BEST_FIRST,
         description="best_last: the passages (best first) laid out reversed, as the gateway can",

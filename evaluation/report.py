@@ -37,6 +37,8 @@ class Row:
     rouge_l: float
     agreement: float
     kv_deviation: float
+    tf_kl: float  # teacher-forced KL(full ‖ setting), nats per answer position
+    tf_argmax_agreement: float
     ttft_median_ms: float
     ttft_p90_ms: float
 
@@ -58,6 +60,8 @@ def _row(setting: Setting, kind: str, outcomes: Sequence[Outcome]) -> Row:
         rouge_l=mean("rouge_l"),
         agreement=mean("agreement"),
         kv_deviation=mean("kv_deviation"),
+        tf_kl=mean("tf_kl"),
+        tf_argmax_agreement=mean("tf_argmax_agreement"),
         ttft_median_ms=round(float(np.median(ttft_ms)), 3),
         ttft_p90_ms=round(float(np.percentile(ttft_ms, 90)), 3),
     )
@@ -106,11 +110,23 @@ def _scores(row: Row) -> list[str]:
 
 
 def tables(rows: Sequence[Row], title: str) -> list[Table]:
-    """All questions with KV deviation and TTFT, then (when records have kinds) each kind."""
+    """All questions with KV deviation, teacher-forced KL and argmax agreement and TTFT, then
+    (when records have kinds) each kind."""
     overall_rows = overall(rows)
     first = Table(title=title)
     first.add_column("setting", no_wrap=True)
-    for name in ("n", "EM", "F1", "ROUGE-L", "agree", "KV dev", "TTFT p50", "p90 ms"):
+    for name in (
+        "n",
+        "EM",
+        "F1",
+        "ROUGE-L",
+        "agree",
+        "KV dev",
+        "TF KL",
+        "TF agree",
+        "TTFT p50",
+        "p90 ms",
+    ):
         first.add_column(name, justify="right")
     for row in overall_rows:
         first.add_row(
@@ -118,6 +134,8 @@ def tables(rows: Sequence[Row], title: str) -> list[Table]:
             str(row.questions),
             *_scores(row),
             f"{row.kv_deviation:.4f}",
+            f"{row.tf_kl:.4f}",
+            f"{row.tf_argmax_agreement:.3f}",
             f"{row.ttft_median_ms:.1f}",
             f"{row.ttft_p90_ms:.1f}",
         )
@@ -131,10 +149,10 @@ def tables(rows: Sequence[Row], title: str) -> list[Table]:
     second = Table(title="by kind of question")
     second.add_column("kind", no_wrap=True)
     second.add_column("setting", no_wrap=True)
-    for name in ("n", "EM", "F1", "ROUGE-L", "agree"):
+    for name in ("n", "EM", "F1", "ROUGE-L", "agree", "TF KL"):
         second.add_column(name, justify="right")
     for row in by_kind:
-        second.add_row(row.kind, row.setting, str(row.questions), *_scores(row))
+        second.add_row(row.kind, row.setting, str(row.questions), *_scores(row), f"{row.tf_kl:.4f}")
     return [first, second]
 
 

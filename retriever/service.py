@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from common.limits import MAX_HOPS
 from common.validation import DEFAULT_COLLECTION
 from retriever.bm25 import match_expression
 from retriever.catalog import Catalog, ChunkRecord, DocumentRecord
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 HNSW_REBUILD_TOMBSTONE_FRACTION = 0.25
 CATALOG_FILE = "catalog.sqlite3"
 INDEX_FILE = "index.faiss"
-MAX_HOPS = 2
 # Candidates each ranking brings to a hybrid fusion: a chunk ranked low by one retriever and
 # high by the other must still be in both lists to be fused.
 MIN_FUSION_CANDIDATES = 30

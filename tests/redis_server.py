@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.service_process import free_port
 
@@ -108,11 +109,23 @@ class RedisServer:
         self.stop()
         return self.start()
 
+    def limit_memory(self, headroom_bytes: int) -> int:
+        """Set `maxmemory` to what the running server uses now (INFO's `used_memory`, about 0.9
+        MB for an empty Redis 7, varying by build and machine) plus `headroom_bytes`, so that a
+        test's limit means the same everywhere; returns the limit in bytes."""
+        with redis.Redis.from_url(self.url) as client:
+            used = int(client.info("memory")["used_memory"])
+            limit = used + headroom_bytes
+            client.config_set("maxmemory", limit)
+        return limit
+
 
 @contextmanager
-def redis_server(workdir: Path, maxmemory: str = "0") -> Iterator[RedisServer]:
+def redis_server(
+    workdir: Path, maxmemory: str = "0", policy: str = "allkeys-lru"
+) -> Iterator[RedisServer]:
     """A started RedisServer, stopped on exit."""
-    server = RedisServer(workdir, maxmemory=maxmemory).start()
+    server = RedisServer(workdir, maxmemory=maxmemory, policy=policy).start()
     try:
         yield server
     finally:

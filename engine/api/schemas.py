@@ -6,14 +6,26 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from common.validation import Seed, Text
-from engine.types import Chunk, ChunkOrder, GenerateRequest, GenerateResult, Mode
+from engine.types import (
+    MAX_ADDITIVE_PENALTY,
+    MAX_REPETITION_PENALTY,
+    Chunk,
+    ChunkOrder,
+    GenerateRequest,
+    GenerateResult,
+    Mode,
+)
 
 ModeName = Literal["cacheblend", "full_prefill", "prefix_cache", "full_reuse"]
 ChunkOrderName = Literal["best_first", "best_last"]
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# None: the engine's default (its presence_penalty, frequency_penalty, repetition_penalty settings).
+AdditivePenalty = Annotated[
+    float, Field(ge=-MAX_ADDITIVE_PENALTY, le=MAX_ADDITIVE_PENALTY, allow_inf_nan=False)
+]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)]
 
 
 class ChunkIn(BaseModel):
@@ -50,6 +62,9 @@ class GenerateBody(BaseModel):
     temperature: float = Field(0.0, ge=0, le=10, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     seed: Seed | None = None
+    presence_penalty: AdditivePenalty | None = None
+    frequency_penalty: AdditivePenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | StopString | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -74,6 +89,9 @@ class GenerateBody(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
             fit_context=self.fit_context,

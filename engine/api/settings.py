@@ -10,7 +10,12 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.auth import check_exposure
-from engine.types import DEFAULT_RECOMPUTE_RATIO
+from engine.types import (
+    DEFAULT_RECOMPUTE_RATIO,
+    MAX_ADDITIVE_PENALTY,
+    MAX_REPETITION_PENALTY,
+    Penalties,
+)
 from kvstore.codec import Encoding
 from kvstore.remote_tier import check_url
 
@@ -98,6 +103,26 @@ class EngineSettings(BaseSettings):
         description="tokens cacheblend recomputes: hkvd (largest KV deviation) or random of the "
         "same budget, a research baseline that serving should not use",
     )
+    # Defaults of requests that leave a penalty unset; `ragblend up` sets those measured for
+    # the bundled model (README, "Generation defaults"); neutral for any other model.
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        le=MAX_REPETITION_PENALTY,
+        description="default repetition_penalty of requests (1: off; vLLM's meaning)",
+    )
+    frequency_penalty: float = Field(
+        0.0,
+        ge=-MAX_ADDITIVE_PENALTY,
+        le=MAX_ADDITIVE_PENALTY,
+        description="default frequency_penalty of requests (0: off; OpenAI's meaning)",
+    )
+    presence_penalty: float = Field(
+        0.0,
+        ge=-MAX_ADDITIVE_PENALTY,
+        le=MAX_ADDITIVE_PENALTY,
+        description="default presence_penalty of requests (0: off; OpenAI's meaning)",
+    )
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
     system_prompt: str | None = None
     max_text_chars: int = Field(
@@ -133,6 +158,20 @@ class EngineSettings(BaseSettings):
         description="shadow compute at most this share of the wall time since start; more "
         "checks are skipped",
     )
+    shadow_every_steps: int = Field(
+        16,
+        ge=0,
+        le=100_000,
+        description="under load, one piece of a shadow check after every this many engine "
+        "steps (0: idle time only, and an arriving request drops the pending checks)",
+    )
+    shadow_kv_gb: float = Field(
+        1.0,
+        gt=0,
+        le=1024,
+        description="KV the pending shadow checks may hold (host copies of the blends' prompt "
+        "KV and the running check's full-prefill KV on the device); more checks are skipped",
+    )
 
     @field_validator("check_layers")
     @classmethod
@@ -150,6 +189,10 @@ class EngineSettings(BaseSettings):
     def _token_beyond_loopback(self) -> EngineSettings:
         check_exposure("engine", self.host, self.internal_token)
         return self
+
+    @property
+    def default_penalties(self) -> Penalties:
+        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property
     def torch_dtype_name(self) -> str:

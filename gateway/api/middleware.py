@@ -11,6 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import send_error
 from common.request_id import HEADER, request_id_of, request_id_var
+from common.serving import is_quiet_probe
 from gateway.metrics import GatewayMetrics
 
 # The routes that occupy an engine: only these count against max_concurrency.
@@ -110,4 +111,6 @@ def _log_access(scope: Scope, status: int, elapsed_s: float) -> None:
     address = f"{client[0]}:{client[1]}" if client else "-"
     query = scope.get("query_string", b"").decode("latin-1")
     path = f"{scope['path']}?{query}" if query else scope["path"]
-    access_log.info('%s "%s %s" %d %.3fs', address, scope["method"], path, status, elapsed_s)
+    # A successful probe is counted in the metrics like any request, but logged at DEBUG only.
+    level = logging.DEBUG if is_quiet_probe(scope["path"], status) else logging.INFO
+    access_log.log(level, '%s "%s %s" %d %.3fs', address, scope["method"], path, status, elapsed_s)

@@ -1,6 +1,6 @@
 """Client of the engine pool: a background poller of each engine's health, streamed generation
 on the healthy engine chosen by rendezvous hashing of the chunk ids (failing over to the next
-one before a first event arrives), precompute per engine."""
+one before a first event arrives, by the rules of gateway.failover), precompute per engine."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.clients.upstream import NOT_SENT, REQUEST_ID_HEADER, Upstream
+from gateway.clients.upstream import NOT_SENT, REQUEST_ID_HEADER, Upstream, detail_of
 from gateway.errors import (
+    DependencyBusyError,
     DependencyFailedError,
     DependencyTimeoutError,
     DependencyUnavailableError,
     GatewayDependencyError,
 )
+from gateway.failover import Miss, after_miss, final_status, first_event_deadline_s
 from gateway.routing import rank_engines
 from gateway.types import Delta, EngineRequest, EngineResult
 
@@ -38,6 +40,10 @@ class EngineState:
     healthy: bool = True  # until a probe says otherwise: a new gateway tries every engine
     max_model_len: int | None = None
     queue_estimate_s: float = 0.0
+    # Its measured prefill speed (None before it measured one, or from an older engine).
+    prefill_tokens_per_s: float | None = None
+    # When an event of any of its streams last arrived (time.monotonic): a sign of life.
+    last_event_at: float = float("-inf")
     # The engine reads and writes a KV tier all engines share: one precompute serves them all.
     shared_kv: bool = False
     # Why it is down (an exception's class name or an HTTP status: never an address).
@@ -59,6 +65,7 @@ class EngineState:
             "for_s": round(time.monotonic() - self.changed_at, 1),
             "shared_kv": self.shared_kv,
             "queue_estimate_s": self.queue_estimate_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
         }
 
     @property
@@ -98,6 +105,7 @@ class EngineStream:
                 elif line.startswith("data:"):
                     data.append(line[5:].strip())
                 elif not line and data:
+                    self.engine.last_event_at = time.monotonic()
                     payload = json.loads("\n".join(data))
                     if event == "delta":
                         yield Delta(payload["text"])
@@ -131,14 +139,16 @@ class EngineStream:
 
 
 class _Skipped(Exception):
-    """One engine failed before its first event: the request may go to the next one.
-    `worked`: the engine may have started on it (it took the request), so trying another one
-    spends the request's one retry."""
+    """One engine missed the request before its first event: it may go to the next one.
+    `counted`: the miss is already in the upstream error metric."""
 
-    def __init__(self, kind: str, reason: str, *, worked: bool = True):
+    def __init__(
+        self, miss: Miss, reason: str, *, retry_after_s: str | None = None, counted: bool = False
+    ):
         super().__init__(reason)
-        self.kind = kind  # unavailable | timeout | failed
-        self.worked = worked
+        self.miss = miss
+        self.retry_after_s = retry_after_s
+        self.counted = counted
 
 
 class EnginePool:
@@ -180,29 +190,37 @@ class EnginePool:
     async def generate(
         self, generation: EngineRequest, *, request_id: str
     ) -> AsyncIterator[EngineStream]:
-        """An engine stream whose first event has arrived. An engine that cannot be reached,
-        answers 503 or 5xx, breaks off, or sends no first event within ttft_timeout_s plus its
-        queue estimate is left (its work cancelled) for the next one in the ranking. The
-        request is retried once: a second engine that failed after taking it ends the
-        attempts, which bounds the client's wait to two deadlines and keeps a request that
-        breaks engines from going round the whole pool. Engines that refused the connection or
-        answered 503 never started on it and cost no retry. A 429 or 422 is raised as is: the
-        request reached the engine and would fare no better elsewhere. Leaving the context
-        closes the connection, which cancels the engine's work."""
-        failures: list[tuple[str, str]] = []
+        """An engine stream whose first event has arrived. The engines are tried in rendezvous
+        order; what an engine's miss (unreachable, 503, 429, 5xx, a broken stream, no first
+        event by its deadline) means is gateway.failover's `after_miss`: in short, an engine
+        that never started on the request (unreachable, 503, 429) costs nothing and the next
+        one is tried, while a second engine that took the request and missed ends the
+        attempts; the client then gets `final_status`'s error naming every engine tried. A 422
+        (or another 4xx) is raised as is: the request would fare no better elsewhere. Leaving
+        the context closes the connection, which cancels the engine's work."""
+        misses: list[tuple[str, _Skipped]] = []
         retried = False
         for engine in self.candidates(generation.chunk_ids):
+            waiting_since = time.monotonic()
             try:
                 stream = await self._open(engine, generation, request_id)
             except _Skipped as skipped:
-                self.upstream.on_error(self.upstream.name, skipped.kind)
-                failures.append((skipped.kind, f"{engine.name}: {skipped}"))
-                if skipped.worked and retried:
+                if not skipped.counted:
+                    self.upstream.on_error(self.upstream.name, skipped.miss.metric_kind)
+                misses.append((engine.name, skipped))
+                verdict = after_miss(
+                    skipped.miss,
+                    streaming_others=engine.last_event_at > waiting_since,
+                    retried=retried,
+                )
+                if verdict.mark_down:
+                    engine.mark(False, _down_reason(skipped))
+                retried = verdict.retried
+                if not verdict.try_next:
                     log.warning(
                         "%s (%s): %s; retried once already", engine.name, engine.url, skipped
                     )
                     break
-                retried = retried or skipped.worked
                 log.warning("%s (%s): %s; failing over", engine.name, engine.url, skipped)
                 continue
             try:
@@ -210,27 +228,47 @@ class EnginePool:
             finally:
                 await stream.response.aclose()
             return
-        raise _none_answered(failures)
+        raise _none_answered(misses)
 
     async def _open(
         self, engine: EngineState, generation: EngineRequest, request_id: str
     ) -> EngineStream:
+        body = generation.engine_body(fit_context=engine.fits_context)
         request = self.upstream.client.build_request(
             "POST",
             f"{engine.url}/v1/generate",
-            json=generation.engine_body(fit_context=engine.fits_context),
+            json=body,
             headers={REQUEST_ID_HEADER: request_id},
             timeout=self.generate_timeout,
         )
-        deadline_s = self.ttft_timeout_s + engine.queue_estimate_s
+        deadline_s = first_event_deadline_s(
+            self.ttft_timeout_s,
+            engine.queue_estimate_s,
+            _prompt_bytes(body),
+            engine.max_model_len,
+            engine.prefill_tokens_per_s,
+        )
         response: httpx.Response | None = None
         opened = False
         try:
             async with asyncio.timeout(deadline_s):
                 response = await self.upstream.client.send(request, stream=True)
-                if response.status_code >= 500:  # 503: its model is not loaded yet
-                    status = response.status_code
-                    raise _Skipped("unavailable", f"HTTP {status}", worked=status != 503)
+                if response.status_code == 503:  # its model is not loaded yet
+                    raise _Skipped(Miss.NOT_READY, "HTTP 503")
+                if response.status_code >= 500:
+                    await response.aread()
+                    log.warning(
+                        "%s (%s) answered HTTP %d: %s",
+                        engine.name,
+                        engine.url,
+                        response.status_code,
+                        detail_of(response),
+                    )
+                    raise _Skipped(Miss.FAILED, f"HTTP {response.status_code}")
+                if response.status_code == 429:
+                    await response.aread()
+                    retry_after_s = response.headers.get("Retry-After", "1")
+                    raise _Skipped(Miss.BUSY, detail_of(response), retry_after_s=retry_after_s)
                 if not response.is_success:
                     await response.aread()
                     self.upstream.check(response)
@@ -239,16 +277,13 @@ class EnginePool:
             opened = True
             return stream
         except TimeoutError:
-            # Stopped or stuck: out of the rotation until its next good health probe.
-            engine.mark(False, "no first event in time")
-            raise _Skipped("timeout", f"no first event within {deadline_s:.1f} s") from None
+            raise _Skipped(Miss.SLOW, f"no first event within {deadline_s:.1f} s") from None
         except NOT_SENT as exc:
-            engine.mark(False, type(exc).__name__)
-            raise _Skipped("unavailable", type(exc).__name__, worked=False) from exc
+            raise _Skipped(Miss.UNREACHABLE, type(exc).__name__) from exc
         except httpx.TransportError as exc:
-            raise _Skipped("failed", f"{type(exc).__name__} before its answer") from exc
+            raise _Skipped(Miss.FAILED, f"{type(exc).__name__} before its answer") from exc
         except DependencyFailedError as exc:
-            raise _Skipped("failed", exc.detail) from exc
+            raise _Skipped(Miss.FAILED, exc.detail, counted=True) from exc
         finally:
             if not opened and response is not None:
                 await response.aclose()
@@ -288,6 +323,9 @@ class EnginePool:
             engine.max_model_len = max_model_len if isinstance(max_model_len, int) else None
             estimate = body.get("queue_estimate_s")
             engine.queue_estimate_s = float(estimate) if isinstance(estimate, int | float) else 0.0
+            speed = body.get("prefill_tokens_per_s")
+            valid = isinstance(speed, int | float) and speed > 0
+            engine.prefill_tokens_per_s = float(speed) if valid else None
             # Absent (an engine without a remote tier, or an older one): not shared.
             engine.shared_kv = body.get("shared_kv") is True
 
@@ -320,11 +358,28 @@ class EnginePool:
             await self.poll_all()
 
 
-def _none_answered(failures: list[tuple[str, str]]) -> GatewayDependencyError:
-    tried = "; ".join(reason for _, reason in failures)
-    kinds = {kind for kind, _ in failures}
-    if kinds == {"timeout"}:
+def _prompt_bytes(body: dict) -> int:
+    """UTF-8 bytes of every text the engine's prompt is made of."""
+    texts = [body["question"], body["system"] or "", *(c["text"] for c in body["chunks"])]
+    return sum(len(text.encode()) for text in texts)
+
+
+def _down_reason(skipped: _Skipped) -> str:
+    """Why /ready shows the engine down (never an address)."""
+    return "no first event in time" if skipped.miss is Miss.SLOW else str(skipped)
+
+
+def _none_answered(misses: list[tuple[str, _Skipped]]) -> GatewayDependencyError:
+    """The error of a request no engine answered, naming each engine tried and its miss."""
+    tried = "; ".join(f"{name}: {skipped}" for name, skipped in misses)
+    status = final_status([skipped.miss for _, skipped in misses])
+    if status == 504:
         return DependencyTimeoutError("engine", f"no engine answered in time ({tried})")
-    if "unavailable" in kinds:
+    if status == 429:
+        # The soonest any of them expects room.
+        waits = [int(s.retry_after_s) for _, s in misses if (s.retry_after_s or "").isdigit()]
+        retry_after_s = str(min(waits, default=1))
+        return DependencyBusyError("engine", f"every engine is busy ({tried})", retry_after_s)
+    if status == 503:
         return DependencyUnavailableError("engine", f"no engine answered ({tried})")
     return DependencyFailedError("engine", f"every engine failed ({tried})")

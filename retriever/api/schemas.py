@@ -9,14 +9,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from common.errors import error_body
+from common.limits import MAX_COLLECTIONS, MAX_DOC_IDS, MAX_QUESTION_CHARS
 from common.validation import CollectionName, DocId, Text
 from retriever.fusion import RetrievalMode
 
-MAX_QUERY_CHARS = 100_000
 # Metadata travels with every listing and detail answer: kept small, as serialised JSON.
 MAX_METADATA_BYTES = 64 * 1024
-MAX_DOC_IDS = 1_000
-MAX_COLLECTIONS = 64
 MAX_TOP_K = 10_000  # the bound of the max_top_k setting; the setting is checked in the route
 MAX_OFFSET = 2**31
 
@@ -96,7 +94,7 @@ class DocumentDeleteResponse(BaseModel):
 
 
 class SearchRequest(BaseModel):
-    query: Text = Field(max_length=MAX_QUERY_CHARS, description="truncated to the model window")
+    query: Text = Field(max_length=MAX_QUESTION_CHARS, description="truncated to the model window")
     # The upper bound is a runtime setting (max_top_k), checked in the route.
     top_k: int = Field(default=5, gt=0, le=MAX_TOP_K)
     doc_ids: list[DocId] | None = Field(default=None, min_length=1, max_length=MAX_DOC_IDS)

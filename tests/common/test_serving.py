@@ -4,10 +4,11 @@ declared once and every setting has a flag."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
-from common.serving import add_settings_flags, settings_from_args
+from common.serving import QuietProbesFilter, add_settings_flags, settings_from_args
 from engine.api.settings import EngineSettings
 from gateway.settings import GatewaySettings
 from ragblend.cli import build_parser
@@ -55,3 +56,36 @@ def test_invalid_settings_end_the_command_naming_the_field():
     args = build_parser().parse_args(["engine", "--model", "m", "--max-num-seqs", "0"])
     with pytest.raises(SystemExit, match="max_num_seqs"):
         settings_from_args(EngineSettings, args, "engine")
+
+
+def access_record(path: str, status: int) -> logging.LogRecord:
+    """A record as uvicorn's access log writes it."""
+    args = ("127.0.0.1:5000", "GET", path, "1.1", status)
+    return logging.LogRecord("uvicorn.access", logging.INFO, "h11", 1, '%s "%s %s" %d', args, None)
+
+
+@pytest.fixture
+def access_level():
+    """set(level): the level of uvicorn's access logger, restored afterwards."""
+    logger = logging.getLogger("uvicorn.access")
+    before = logger.level
+    yield logger.setLevel
+    logger.setLevel(before)
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/ready?verbose=1"])
+def test_a_successful_probe_is_kept_off_an_info_access_log(path, access_level):
+    access_level(logging.INFO)
+    assert not QuietProbesFilter().filter(access_record(path, 200))
+
+
+def test_a_failing_probe_and_a_real_request_stay_on_the_access_log(access_level):
+    access_level(logging.INFO)
+    assert QuietProbesFilter().filter(access_record("/health", 503))
+    assert QuietProbesFilter().filter(access_record("/v1/generate", 200))
+
+
+def test_at_debug_a_probe_is_logged_as_a_debug_line(access_level):
+    access_level(logging.DEBUG)
+    record = access_record("/health", 200)
+    assert QuietProbesFilter().filter(record) and record.levelname == "DEBUG"

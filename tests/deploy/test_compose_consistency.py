@@ -11,7 +11,6 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from demo import MODEL_DIR
 from engine.api.settings import EngineSettings
 from gateway.settings import GatewaySettings
 from ragblend.cli import build_parser
@@ -36,6 +35,7 @@ from tests.deploy.deploy_files import (
     scrape_targets,
 )
 
+MAKEFILE = REPO_ROOT / "Makefile"
 SETTINGS = {"retriever": RetrieverSettings, "engine": EngineSettings, "gateway": GatewaySettings}
 DESIGN_PORTS = {"gateway": 8000, "retriever": 8001, "engine": 8002}
 IMAGE_WORKDIR = PurePosixPath("/app")
@@ -219,12 +219,17 @@ def test_volumes_of_index_kv_store_and_models_are_named_and_distinct():
     assert volume_targets(services["engine"])["/models"] == "models"
 
 
-def test_the_default_model_is_the_bundled_demo_model_inside_the_image(monkeypatch):
+def test_the_default_model_is_the_bundled_smollm2_converted_into_the_image(monkeypatch):
     model = settings_of(compose_services()["engine"], monkeypatch).model
-    relative = MODEL_DIR.resolve().relative_to(REPO_ROOT)
-    assert model == str(IMAGE_WORKDIR / relative.as_posix())
+    assert model == str(IMAGE_WORKDIR / "models" / "smollm2")
     assert dockerfile_env()["RAGBLEND_ENGINE_MODEL"] == model
-    assert re.search(r"^WORKDIR /app$", (REPO_ROOT / "Dockerfile").read_text(), re.M)
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert re.search(r"^WORKDIR /app$", dockerfile, re.M)
+    assert f'ln -s "$converted" {model}' in dockerfile
+    # One pin of the bundled model: the image's, the Makefile's and the constraints' agree.
+    pin = re.search(r"^ARG BUNDLED_MODEL=(\S+)$", dockerfile, re.M).group(1)
+    assert re.search(rf"^BUNDLED_MODEL := {re.escape(pin)}$", MAKEFILE.read_text(), re.M)
+    assert pin in (REPO_ROOT / "constraints.txt").read_text().splitlines()
 
 
 def test_the_gateway_waits_for_a_healthy_retriever_and_engine_and_all_have_healthchecks():

@@ -1,5 +1,6 @@
 """The controller over a real engine and store: it leaves a fallback as soon as the tier is fast
-again, catches a tier that slows down within one request, and its fallback reuses exact KV."""
+again, catches a tier that slows down within one request, and its fallback reuses the cached
+prefix."""
 
 from __future__ import annotations
 
@@ -47,9 +48,8 @@ def ask(chunks, **options) -> GenerateRequest:
 
 
 def computed_tokens(engine: Engine, layout: PromptLayout) -> int:
-    """Tokens a full prefill of `layout` computes: all but the cached prefix and exact chunk."""
-    exact = layout.chunks[0] if layout.prefix == engine.prompts.chunk_prefix else ()
-    return layout.num_tokens - len(layout.prefix) - len(exact)
+    """Tokens a full prefill of `layout` computes: all but the cached prefix."""
+    return layout.num_tokens - len(layout.prefix)
 
 
 def prefill_at(engine: Engine, layout: PromptLayout, layer_compute_s: float) -> Prefill:
@@ -113,41 +113,6 @@ def test_the_fallback_reuses_the_cached_prefix_and_equals_full_prefill(engine, c
     torch.testing.assert_close(fallback.output.keys, full.output.keys, rtol=RTOL, atol=ATOL)
 
 
-def test_the_fallback_loads_an_exact_first_chunk_only_when_its_load_is_hidden(engine, chunks):
-    tokens = tuple(engine.prompts.chunk_tokens(c.text) for c in chunks)
-    layout = PromptLayout(engine.prompts.chunk_prefix, tokens, engine.prompts.encode("Answer:"))
-    engine.prefill_layout(layout, Mode.PREFIX_CACHE)  # caches the prefix of this layout
-    full = engine.prefill_layout(layout, Mode.FULL_PREFILL)
-    controller = engine.prefiller.controller
-    shape = engine.layers.shape
-    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * engine.layers.dtype.itemsize
-    layer_compute_s = 0.01
-    all_bytes = token_bytes * sum(len(t) for t in tokens)
-    first_bytes = token_bytes * len(tokens[0])
-    assert first_bytes < all_bytes / 2
-
-    # The three chunks load in twice the compute of a layer; the first alone, in less.
-    controller.seconds_per_byte[tiers.MEMORY] = 2 * layer_compute_s / all_bytes
-    hidden = prefill_at(engine, layout, layer_compute_s)
-    assert hidden.blend.fell_back_to_full_prefill
-    assert hidden.plan.chunk_sources == (
-        ChunkSource.EXACT,
-        ChunkSource.COMPUTE,
-        ChunkSource.COMPUTE,
-    )
-    assert hidden.usage.cached_tokens == len(layout.prefix) + len(tokens[0])
-    assert hidden.load_bytes_by_tier[tiers.MEMORY] == first_bytes * shape.num_layers
-    torch.testing.assert_close(hidden.output.logits, full.output.logits, rtol=RTOL, atol=ATOL)
-
-    # The first chunk alone loads slower than the rest computes: it is computed too.
-    controller.seconds_per_byte[tiers.MEMORY] = 2 * layer_compute_s / first_bytes
-    slow = prefill_at(engine, layout, layer_compute_s)
-    assert slow.blend.fell_back_to_full_prefill
-    assert slow.plan.chunk_sources == (ChunkSource.COMPUTE,) * 3
-    assert slow.usage.cached_tokens == len(layout.prefix)
-    torch.testing.assert_close(slow.output.logits, full.output.logits, rtol=RTOL, atol=ATOL)
-
-
 @pytest.mark.parametrize("check_layer", [1, 2])
 def test_the_loader_reads_no_layer_below_the_first_check_layer(
     engine_for, make_chunks, check_layer
@@ -159,11 +124,3 @@ def test_the_loader_reads_no_layer_below_the_first_check_layer(
     assert blended.plan.chunk_sources == (ChunkSource.BLEND,) * 3
     loaded = [e.layer for e in blended.timeline if e.load_start_s is not None]
     assert loaded == list(range(check_layer, engine.layers.shape.num_layers))
-
-
-def test_an_exact_first_chunk_is_read_from_layer_0(engine, chunks):
-    tokens = tuple(engine.prompts.chunk_tokens(c.text) for c in chunks)
-    layout = PromptLayout(engine.prompts.chunk_prefix, tokens, engine.prompts.encode("Answer:"))
-    exact = engine.prefill_layout(layout, Mode.CACHEBLEND, 0.3)
-    assert exact.plan.chunk_sources[0] is ChunkSource.EXACT
-    assert [e.layer for e in exact.timeline if e.load_start_s is not None][0] == 0

@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from demo.tiny import FAMILIES
-from engine.layers import ATTENTION_BLOCK, LayerRunner
+from engine.attention import ATTENTION_BLOCK, MIN_CAUSAL_RUN, query_spans
+from engine.layers import LayerRunner
 from tests.engine.hf_reference import cache_keyword
 
 TOKENS = list(range(5, 45))
@@ -23,8 +24,7 @@ def full_pass(runner: LayerRunner, token_ids: list[int], queries: list[int] | No
     for i in range(runner.shape.num_layers):
         q, k, v = runner.project_qkv(i, h)
         q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
-        positions = torch.tensor(queries)
-        out = runner.attend(i, q[:, queries], k, v, positions, runner.attention_blocks(queries))
+        out = runner.attend(i, q[:, queries], k, v, runner.attention_plan(queries))
         h_all = h.clone()
         h_all[queries] = runner.finish_layer(i, h[queries], out)
         h = h_all
@@ -56,13 +56,9 @@ def test_a_query_subset_attends_exactly_as_those_rows_of_the_causal_pass(engine_
         h = runner.embed(torch.tensor(TOKENS))
         q, k, v = runner.project_qkv(0, h)
         q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
-        everyone = runner.attend(
-            0, q, k, v, torch.arange(n), runner.attention_blocks(list(range(n)))
-        )
+        everyone = runner.attend(0, q, k, v, runner.attention_plan(list(range(n))))
         queries = [0, 3, 17, 18, 39]
-        subset = runner.attend(
-            0, q[:, queries], k, v, torch.tensor(queries), runner.attention_blocks(queries)
-        )
+        subset = runner.attend(0, q[:, queries], k, v, runner.attention_plan(queries))
     torch.testing.assert_close(subset, everyone[queries], rtol=1e-5, atol=1e-5)
 
 
@@ -74,23 +70,58 @@ def test_a_query_never_sees_a_later_position(engine_for):
         q, k, v = runner.project_qkv(0, runner.embed(torch.tensor(TOKENS)))
         q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
         queries = [4, 10]
-        before = runner.attend(0, q[:, queries], k, v, torch.tensor(queries), [(0, 2, n)])
+        plan = runner.attention_plan(queries)
+        before = runner.attend(0, q[:, queries], k, v, plan)
         v_later = v.clone()
         v_later[:, 11:] = 1e3  # changes only values after the last query
-        after = runner.attend(0, q[:, queries], k, v_later, torch.tensor(queries), [(0, 2, n)])
+        after = runner.attend(0, q[:, queries], k, v_later, plan)
     torch.testing.assert_close(before, after, rtol=0, atol=0)
 
 
-def test_attention_blocks_split_queries_and_need_keys_up_to_each_blocks_last_query(engine_for):
-    runner_blocks = LayerRunner(engine_for("llama").model).attention_blocks
+def test_scattered_queries_go_in_masked_blocks_that_need_keys_up_to_their_last_query():
     queries = list(range(0, 3 * ATTENTION_BLOCK, 2))  # 1.5 blocks of scattered positions
-    blocks = runner_blocks(queries)
-    assert [(s, e) for s, e, _ in blocks] == [
-        (0, ATTENTION_BLOCK),
-        (ATTENTION_BLOCK, len(queries)),
+    spans = query_spans(queries)
+    assert [(s.start, s.end, s.causal) for s in spans] == [
+        (0, ATTENTION_BLOCK, False),
+        (ATTENTION_BLOCK, len(queries), False),
     ]
-    assert [keys for *_, keys in blocks] == [queries[ATTENTION_BLOCK - 1] + 1, queries[-1] + 1]
-    assert runner_blocks([]) == []
+    assert [s.key_end for s in spans] == [queries[ATTENTION_BLOCK - 1] + 1, queries[-1] + 1]
+    assert query_spans([]) == []
+
+
+def test_a_long_run_from_near_the_start_is_causal_and_a_late_or_short_one_is_masked():
+    tail = list(range(100, 100 + 4 * MIN_CAUSAL_RUN))  # starts 100 in, runs 256 long
+    late = list(range(5000, 5000 + 4 * MIN_CAUSAL_RUN))
+    short = list(range(10, 10 + MIN_CAUSAL_RUN - 1))
+    assert [(s.causal, s.key_end) for s in query_spans([3, 7, *tail])] == [
+        (False, 8),
+        (True, tail[-1] + 1),
+    ]
+    assert not any(s.causal for s in query_spans(late))
+    assert not any(s.causal for s in query_spans(short))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_causal_runs_attend_exactly_as_the_masked_blocks(engine_for, family, monkeypatch):
+    """A run of queries behind a few scattered ones (r = 1 behind a cached prefix, an uncached
+    chunk, the suffix): the causal kernel gives what the masked path gives, window included."""
+    runner = LayerRunner(engine_for(family).model)
+    n = 3 * MIN_CAUSAL_RUN
+    token_ids = [5 + t % 40 for t in range(n)]
+    queries = [1, 4, *range(9, n)]
+    cos, sin = runner.rope_tables(n)
+    with torch.inference_mode():
+        q, k, v = runner.project_qkv(0, runner.embed(torch.tensor(token_ids)))
+        q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
+        causal_plan = runner.attention_plan(queries)
+        assert any(span.causal for span in causal_plan.spans)
+        fast = [runner.attend(i, q[:, queries], k, v, causal_plan) for i in (0, 1)]
+        monkeypatch.setattr("engine.attention.MIN_CAUSAL_RUN", n + 1)
+        masked_plan = runner.attention_plan(queries)
+        assert not any(span.causal for span in masked_plan.spans)
+        masked = [runner.attend(i, q[:, queries], k, v, masked_plan) for i in (0, 1)]
+    for ours, reference in zip(fast, masked, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_rotate_is_the_models_own_rope(engine_for):

@@ -10,14 +10,14 @@ from engine.prompt import PromptLayout
 from engine.selection import Selection
 from engine.types import Mode
 
-BOS = (1,)
+BOS = (1,)  # the chunk-precompute prefix
 CHUNKS = ((10, 11, 12), (20, 21), (30, 31, 32, 33))
 SUFFIX = (90, 91)
 
 
 def plan(mode, cached=(True, True, True), prefix=(1, 5, 6), prefix_cached=True, ratio=0.15):
     layout = PromptLayout(prefix, CHUNKS, SUFFIX)
-    return plan_prefill(layout, mode, cached, prefix_cached, BOS, ratio, (1,))
+    return plan_prefill(layout, mode, cached, prefix_cached, ratio, (1,))
 
 
 def test_cacheblend_blends_cached_chunks_and_computes_missing_ones_at_the_asked_ratio():
@@ -41,24 +41,16 @@ def test_full_reuse_is_blending_at_ratio_zero():
     assert p.recompute_ratio == 0.0
 
 
-@pytest.mark.parametrize("mode", [Mode.CACHEBLEND, Mode.FULL_REUSE, Mode.PREFIX_CACHE])
-def test_a_cached_first_chunk_behind_exactly_the_chunk_prefix_is_an_exact_hit(mode):
-    p = plan(mode, prefix=BOS)
-    assert p.chunk_sources[0] is ChunkSource.EXACT
-    assert p.count_tokens(ChunkSource.EXACT) == len(CHUNKS[0])
+@pytest.mark.parametrize("prefix", [BOS, (1, 5, 6)])
+def test_prefix_cache_computes_every_chunk_whatever_the_prefix(prefix):
+    p = plan(Mode.PREFIX_CACHE, prefix=prefix)
+    assert set(p.chunk_sources) == {ChunkSource.COMPUTE}
+    assert (p.prefix_cached, p.streamed_chunks, p.recompute_ratio) == (True, [], 1.0)
 
 
-def test_prefix_cache_reuses_only_the_exact_first_chunk():
-    assert plan(Mode.PREFIX_CACHE, prefix=BOS).chunk_sources == (
-        ChunkSource.EXACT,
-        ChunkSource.COMPUTE,
-        ChunkSource.COMPUTE,
-    )
-    assert set(plan(Mode.PREFIX_CACHE).chunk_sources) == {ChunkSource.COMPUTE}
-
-
-def test_a_first_chunk_behind_a_longer_prefix_is_blended_not_exact():
-    assert plan(Mode.CACHEBLEND).chunk_sources[0] is ChunkSource.BLEND
+@pytest.mark.parametrize("prefix", [BOS, (1, 5, 6)])
+def test_a_cached_first_chunk_is_blended_like_the_others_whatever_the_prefix(prefix):
+    assert plan(Mode.CACHEBLEND, prefix=prefix).chunk_sources == (ChunkSource.BLEND,) * 3
 
 
 def test_always_computed_positions_are_the_uncached_prefix_computed_chunks_and_suffix():
@@ -70,24 +62,23 @@ def test_always_computed_positions_are_the_uncached_prefix_computed_chunks_and_s
 
 def test_without_chunks_only_the_prefix_and_suffix_are_computed():
     layout = PromptLayout((1, 5), (), SUFFIX)
-    p = plan_prefill(layout, Mode.CACHEBLEND, (), False, BOS, 0.15, (1,))
+    p = plan_prefill(layout, Mode.CACHEBLEND, (), False, 0.15, (1,))
     assert (p.chunk_sources, p.streamed_chunks) == ((), [])
     assert p.always_computed_positions == [0, 1, 2, 3]
 
 
 def test_cacheblend_reads_the_stream_from_the_first_check_layer():
     layout = PromptLayout((1, 5, 6), CHUNKS, SUFFIX)
-    p = plan_prefill(layout, Mode.CACHEBLEND, (True, False, True), True, BOS, 0.15, (2, 3))
+    p = plan_prefill(layout, Mode.CACHEBLEND, (True, False, True), True, 0.15, (2, 3))
     assert p.first_streamed_layer == 2
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        {"mode": Mode.CACHEBLEND, "prefix": BOS},  # an exact chunk shares the stream
         {"mode": Mode.FULL_REUSE},  # ratio 0: no layer recomputes the blended tokens
         {"mode": Mode.CACHEBLEND, "ratio": 0.0},
-        {"mode": Mode.PREFIX_CACHE, "prefix": BOS},
+        {"mode": Mode.PREFIX_CACHE},
         {"mode": Mode.CACHEBLEND, "cached": (False, False, False)},  # nothing to blend
     ],
 )
@@ -98,7 +89,5 @@ def test_the_stream_is_read_from_layer_0_unless_the_plan_selects_among_blended_c
 def test_plan_carries_the_selection_and_defaults_to_hkvd():
     layout = PromptLayout((1, 5, 6), CHUNKS, SUFFIX)
     assert plan(Mode.CACHEBLEND).selection is Selection.HKVD
-    chosen = plan_prefill(
-        layout, Mode.CACHEBLEND, (True,) * 3, True, BOS, 0.15, (1,), Selection.RANDOM
-    )
+    chosen = plan_prefill(layout, Mode.CACHEBLEND, (True,) * 3, True, 0.15, (1,), Selection.RANDOM)
     assert chosen.selection is Selection.RANDOM

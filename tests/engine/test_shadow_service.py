@@ -65,9 +65,13 @@ def test_metrics_show_the_shadow_series_after_a_sampled_request(service):
     with service.client() as client:
         assert client.post("/v1/precompute", json={"chunks": CHUNKS}).status_code == 200
         before = samples(client)
-        for reason in ("busy", "queue_full", "budget", "preempted", "error"):
+        for reason in ("busy", "queue_full", "budget", "memory", "preempted", "error"):
             assert before["ragblend_engine_shadow_skipped_total", (("reason", reason),)] == 0
         assert before["ragblend_engine_shadow_checks_total", (("mode", "cacheblend"),)] == 0
+        assert before["ragblend_engine_shadow_eligible_total", (("mode", "cacheblend"),)] == 0
+        assert before["ragblend_engine_shadow_coverage", (("mode", "full_reuse"),)] == 0
+        assert before["ragblend_engine_shadow_answer_kl_count", (("mode", "cacheblend"),)] == 0
+        assert before["ragblend_engine_shadow_kv_bytes", ()] == 0
 
         full = {"chunks": CHUNKS, "question": "what does kalo hold?", "max_tokens": 4}
         assert client.post("/v1/generate", json=full | {"mode": "full_prefill"}).status_code == 200
@@ -88,3 +92,10 @@ def test_metrics_show_the_shadow_series_after_a_sampled_request(service):
     assert value("ragblend_engine_shadow_greedy_agreement_sum", **cacheblend) == 1.0
     assert value("ragblend_engine_shadow_seconds_total") > 0
     assert value("ragblend_engine_shadow_pending") == 0
+    assert value("ragblend_engine_shadow_kv_bytes") == 0
+    # The full_prefill request was not eligible: one eligible request, checked.
+    assert value("ragblend_engine_shadow_eligible_total", **cacheblend) == 1
+    assert value("ragblend_engine_shadow_coverage", **cacheblend) == 1.0
+    # Teacher-forced over full prefill's 4-token answer: no deviation at r = 1.
+    assert value("ragblend_engine_shadow_answer_kl_bucket", le="1e-06", **cacheblend) == 1
+    assert value("ragblend_engine_shadow_answer_argmax_agreement_sum", **cacheblend) == 1.0

@@ -99,3 +99,25 @@ def test_idle_work_runs_when_nothing_else_is_due_and_never_between_due_steps():
     assert log.count("idle") > before  # idle work goes on once the steps are done
     first = log.index("step")
     assert log[first : first + 3] == ["step", "step", "step"]
+
+
+def test_idle_work_gets_one_turn_after_every_n_steps_under_load():
+    log: list[str] = []
+    steps = Steps(log)
+    steps.pending = 7  # set before the worker starts: every turn until then is a step
+
+    def idle() -> bool:
+        log.append("idle")
+        return True
+
+    worker = Worker(steps.step, lambda: steps.pending > 0, idle=idle, idle_every_steps=3)
+    while steps.pending > 0:
+        time.sleep(0.001)
+    worker.close()
+    # Seven steps with a turn of idle work after the third and the sixth; then idle freely.
+    assert log[:9] == ["step"] * 3 + ["idle"] + ["step"] * 3 + ["idle", "step"]
+
+
+def test_a_negative_idle_share_is_refused():
+    with pytest.raises(ValueError, match="idle_every_steps"):
+        Worker(lambda: None, lambda: False, idle_every_steps=-1)

@@ -61,6 +61,10 @@ def test_eval_writes_outputs_where_full_prefill_agrees_with_itself_and_r1_equals
     for score in ("exact_match", "f1", "rouge_l"):
         assert r1[score] == full[score]
     assert rows["full_reuse", "all"]["kv_deviation"] > 0.01  # no cross-chunk attention at all
+    # Teacher-forced: full prefill's own answer after its own KV, r = 1's KV is the same.
+    assert full["tf_kl"] == 0.0 and full["tf_argmax_agreement"] == 1.0
+    assert r1["tf_kl"] < 1e-6 and r1["tf_argmax_agreement"] == 1.0
+    assert rows["full_reuse", "all"]["tf_kl"] > 100 * r1["tf_kl"]
     assert full["exact_match"] > 0.5  # the demo model reads its passages
     assert full["ttft_median_ms"] > 0 and full["ttft_p90_ms"] >= full["ttft_median_ms"]
 
@@ -68,6 +72,7 @@ def test_eval_writes_outputs_where_full_prefill_agrees_with_itself_and_r1_equals
         table = list(csv.DictReader(file))
     assert len(table) == len(summary["rows"])
     assert {r["recompute_ratio"] for r in table if r["mode"] == "cacheblend"} == {"0.15", "1.0"}
+    assert {"tf_kl", "tf_argmax_agreement"} <= set(table[0])
     predictions = [
         json.loads(line) for line in (out / "predictions.jsonl").read_text().split("\n") if line
     ]
@@ -105,6 +110,10 @@ def test_bad_options_exit_2_naming_the_flag(tmp_path, capsys):
     assert run_cli(str(path), "--model", str(MODEL_DIR), "--corpus", str(path)) == 2
     assert (
         "--corpus: Value error, a corpus is only used with retrieval on" in capsys.readouterr().err
+    )
+    assert run_cli(str(path), "--model", str(MODEL_DIR), "--teacher-forced-tokens", "0") == 2
+    assert "--teacher-forced-tokens: Input should be greater than or equal to 1" in (
+        capsys.readouterr().err
     )
     assert run_cli(str(path), "--model", str(tmp_path / "no-model"), "--no-plot") == 2
     assert "no-model" in capsys.readouterr().err

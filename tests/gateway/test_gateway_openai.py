@@ -103,3 +103,36 @@ def test_streamed_chat_completion_ends_with_done(client):
         text = response.read().decode()
     assert text.endswith("data: [DONE]\n\n")
     assert all(block.startswith("data: ") for block in text.strip().split("\n\n"))
+
+
+def test_chat_completion_penalties_reach_the_engine(openai_client):
+    def answer(extra: dict | None = None, **sampling) -> str:
+        reply = openai_client.chat.completions.create(
+            model="ragblend",
+            max_tokens=16,
+            temperature=0,
+            messages=[{"role": "user", "content": "Where does the Zorblax river flow?"}],
+            extra_body={"rag": {"mode": "full_prefill"}, **(extra or {})},
+            **sampling,
+        )
+        return reply.choices[0].message.content
+
+    plain = answer()
+    assert answer(frequency_penalty=2.0, presence_penalty=2.0) != plain
+    # repetition_penalty is vLLM's extension: the openai client sends it in extra_body.
+    assert answer(extra={"repetition_penalty": 2.0}) != plain
+    assert answer(frequency_penalty=0.0, extra={"repetition_penalty": 1.0}) == plain
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("frequency_penalty", 2.5), ("presence_penalty", -2.5), ("repetition_penalty", 0)],
+)
+def test_openai_penalties_out_of_range_are_a_422_naming_the_field(client, field, value):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Kessa pass?"}]}),
+        ("/v1/completions", {"prompt": "Kessa pass?"}),
+    ):
+        response = client.post(path, json={**body, "max_tokens": 2, field: value})
+        assert response.status_code == 422, response.text
+        assert field in response.json()["detail"]

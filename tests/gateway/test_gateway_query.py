@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.gateway.gateway_testutil import parse_sse
 
 
@@ -82,3 +84,37 @@ def test_streamed_query_sends_sources_then_deltas_then_the_result_as_sse(client)
     assert result["answer"] == deltas
     assert json.loads(frames[0][1])["sources"] == result["sources"]
     assert result["usage"]["completion_tokens"] == 5 or result["finish_reason"] == "stop"
+
+
+def test_query_penalties_reach_the_engine_and_unset_ones_keep_its_defaults(client, documents):
+    def answer(**penalties) -> str:
+        body = {
+            "question": "Where does the Zorblax river flow?",
+            "mode": "full_prefill",
+            "max_tokens": 16,
+            "doc_ids": list(documents),
+            **penalties,
+        }
+        response = client.post("/v1/query", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["answer"]
+
+    plain = answer()
+    assert answer(repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0) == plain
+    assert answer(repetition_penalty=2.0) != plain
+    assert answer(frequency_penalty=2.0, presence_penalty=2.0) != plain
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 2.1),
+    ],
+)
+def test_query_penalties_out_of_range_are_a_422_naming_the_field(client, field, value):
+    response = client.post("/v1/query", json={"question": "Kessa pass?", field: value})
+    assert response.status_code == 422, response.text
+    assert field in response.json()["detail"]

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from common.limits import MAX_STOP_CHARS
+
 CHAT = {"messages": [{"role": "user", "content": "Kessa pass?"}], "max_tokens": 2}
 
 
@@ -52,7 +54,7 @@ def test_a_streamed_body_above_the_limit_is_a_413(client):
         ("/v1/query", {"question": "x" * 100_001}, "question"),
         ("/v1/query", {"question": "x", "seed": 2**64}, "seed"),
         ("/v1/query", {"question": "x", "stop": ["s"] * 17}, "stop"),
-        ("/v1/query", {"question": "x", "stop": ["s" * 1001]}, "stop.0"),
+        ("/v1/query", {"question": "x", "stop": ["s" * (MAX_STOP_CHARS + 1)]}, "stop.0"),
         ("/v1/query", {"question": "x", "doc_ids": ["../etc"]}, "doc_ids.0"),
         ("/v1/query", {"question": "x", "collections": ["Not A Name"]}, "collections.0"),
         ("/v1/chat/completions", {**CHAT, "seed": 2**64}, "seed"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import store as kvstore_store
 from kvstore import tiers
 from kvstore.store import KVStore, KVStoreConfig
 from kvstore.types import ChunkKV
@@ -231,6 +232,46 @@ def test_an_entry_hit_repeatedly_in_host_memory_is_promoted_to_the_gpu_tier() ->
             store.flush()
         assert store.lookup([KEYS[0]]) == [tiers.GPU]
         assert_kv_equal(store.tier(tiers.GPU).get(KEYS[0]), kv)
+
+
+def _gpu_config(memory_entries: int, gpu_promote_hits: int) -> KVStoreConfig:
+    """A gpu tier on the CPU: the promotion bookkeeping of CUDA, testable here."""
+    return KVStoreConfig(
+        model_fingerprint=FINGERPRINT,
+        memory_budget_bytes=memory_entries * make_kv().nbytes,
+        gpu_budget_bytes=1 << 20,
+        gpu_promote_hits=gpu_promote_hits,
+    )
+
+
+def test_a_hit_before_an_entry_left_host_memory_does_not_count_towards_the_gpu() -> None:
+    with KVStore(_gpu_config(memory_entries=1, gpu_promote_hits=2)) as store:
+        store.put(KEYS[0], make_kv(seed=0))
+        read_entry(store, KEYS[0])  # one hit
+        store.put(KEYS[1], make_kv(seed=1))  # evicts KEYS[0] from host memory
+        store.put(KEYS[0], make_kv(seed=0))  # back, counted from 0 again
+        read_entry(store, KEYS[0])
+        store.flush()
+        assert store.lookup([KEYS[0]]) == [tiers.MEMORY]
+        read_entry(store, KEYS[0])  # its second hit since it came back
+        store.flush()
+        assert store.lookup([KEYS[0]]) == [tiers.GPU]
+
+
+def test_host_hit_counters_never_outgrow_host_memory_or_their_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with KVStore(_gpu_config(memory_entries=3, gpu_promote_hits=5)) as store:
+        for i, key in enumerate(KEYS[:20]):  # each hit once, then evicted by the next ones
+            store.put(key, make_kv(seed=i))
+            read_entry(store, key)
+        assert len(store._host_hits) == 3  # the three entries host memory holds
+    monkeypatch.setattr(kvstore_store, "HOST_HITS_MAX_KEYS", 4)
+    with KVStore(_gpu_config(memory_entries=20, gpu_promote_hits=5)) as store:
+        for i, key in enumerate(KEYS[:20]):  # all held in host memory, each hit once
+            store.put(key, make_kv(seed=i))
+            read_entry(store, key)
+        assert list(store._host_hits) == KEYS[16:20]  # the most recently hit
 
 
 def test_a_gpu_tier_hit_is_served_without_a_copy() -> None:

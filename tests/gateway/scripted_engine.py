@@ -1,0 +1,148 @@
+"""A stand-in engine process for the gateway's failover tests: the engine's /health and
+streamed /v1/generate, with the statuses and delays a real engine cannot be made to give."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from tests.service_process import REPO_ROOT, free_port, service_env, wait_ready
+
+# "slow 2.5" in a question: its first event comes 2.5 s after the request (with --slow-questions).
+SLOW = re.compile(r"slow (\d+(?:\.\d+)?)")
+DELTA_INTERVAL_S = 0.1
+MAX_MODEL_LEN = 1024
+MAX_BODY_BYTES = 1 << 20
+
+
+def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *log_args) -> None:  # noqa: A002
+            sys.stderr.write(format % log_args + "\n")
+
+        def do_GET(self) -> None:
+            if self.path != "/health":
+                self._json(404, {"detail": "not found"})
+                return
+            self._json(
+                200,
+                {
+                    "status": "ok",
+                    "max_model_len": MAX_MODEL_LEN,
+                    "queue_estimate_s": 0.0,
+                    "prefill_tokens_per_s": args.prefill_tokens_per_s,
+                },
+            )
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", "0"))
+            if self.path != "/v1/generate" or not 0 < length <= MAX_BODY_BYTES:
+                self._json(404, {"detail": "not found"})
+                return
+            body = json.loads(self.rfile.read(length))
+            if args.generate_status == 429:
+                self._json(429, {"detail": "engine busy: queue full"}, {"Retry-After": "2"})
+                return
+            if args.generate_status != 200:
+                self._json(args.generate_status, {"detail": "an internal error"})
+                return
+            slow = SLOW.search(body["question"])
+            if slow and args.slow_questions:
+                time.sleep(float(slow.group(1)))
+            self._stream(int(body["max_tokens"]))
+
+        def _stream(self, max_tokens: int) -> None:
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                for _ in range(max_tokens):
+                    self._event("delta", {"text": " word"})
+                    time.sleep(DELTA_INTERVAL_S)
+                usage = {
+                    "prompt_tokens": 10,
+                    "completion_tokens": max_tokens,
+                    "cached_tokens": 0,
+                    "recomputed_tokens": 0,
+                }
+                result = {
+                    "text": " word" * max_tokens,
+                    "finish_reason": "length",
+                    "usage": usage,
+                    "timings": {"ttft_s": 0.0},
+                    "blend": {},
+                }
+                self._event("result", result)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the gateway closed the stream: the generation is cancelled
+            self.close_connection = True
+
+        def _event(self, name: str, payload: dict) -> None:
+            self.wfile.write(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode())
+            self.wfile.flush()
+
+        def _json(self, status: int, payload: dict, headers: dict | None = None) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler
+
+
+@dataclass
+class ScriptedEngine:
+    """The stand-in as a process on a 127.0.0.1 port (`url`, like a tests Service)."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def start(log_path: Path, *args: str, port: int | None = None) -> ScriptedEngine:
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "tests.gateway.scripted_engine", "--port", str(port), *args]
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=service_env()
+        )
+    engine = ScriptedEngine(proc, port, log_path)
+    if not wait_ready(proc, f"{engine.url}/health", 30):
+        engine.stop()
+        raise AssertionError(f"the scripted engine did not start:\n{log_path.read_text()}")
+    return engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--generate-status", type=int, default=200, help="200, 429, 500…")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=None)
+    parser.add_argument("--slow-questions", action="store_true", help="honour 'slow N' markers")
+    args = parser.parse_args()
+    ThreadingHTTPServer(("127.0.0.1", args.port), handler_class(args)).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
