@@ -130,7 +130,8 @@ def run_prefill(
         computed.write(v_layer, v)
 
         budget = selection_budget(ratios[i], blend_positions.numel()) if i in ratios else None
-        num_candidates = int(is_blend.sum())
+        # Counted at check layers only: on CUDA, int() waits for the device.
+        num_candidates = int(is_blend.sum()) if budget is not None else 0
         # A budget that keeps every candidate selects them all: HKVD needs no deviation then
         # (the random baseline still draws, so its generator stays where later checks expect).
         if budget is not None and (budget < num_candidates or generator is not None):
