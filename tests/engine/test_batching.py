@@ -126,9 +126,14 @@ def test_the_streams_of_one_prefill_step_are_opened_together_so_the_next_is_pref
     engine_for, make_chunks
 ):
     engine = engine_for("llama")
-    chunks = make_chunks(4, seed=24)
+    long_chunks, chunks = make_chunks(5, words=40, seed=23), make_chunks(2, seed=24)
     engine.precompute(chunks)
-    requests = [request(chunks[:2], recompute_ratio=0.5), request(chunks[2:], recompute_ratio=0.5)]
+    # The first prompt reads no KV, so the loader is free for the second prompt's stream
+    # while the first computes its ~300 positions.
+    requests = [
+        request(long_chunks, mode=Mode.FULL_PREFILL),
+        request(chunks, recompute_ratio=0.5),
+    ]
     alone = [engine.generate(r).token_ids for r in requests]
     release = threading.Event()
     engine.worker.submit(release.wait)  # holds the worker so both requests join one step
@@ -138,10 +143,10 @@ def test_the_streams_of_one_prefill_step_are_opened_together_so_the_next_is_pref
         results[index] = engine.generate(requests[index])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
+    for queued, thread in enumerate(threads, start=1):
         thread.start()
-    while engine.num_waiting < 2:
-        time.sleep(0.001)
+        while engine.num_waiting < queued:  # one at a time: the step prefills in this order
+            time.sleep(0.001)
     release.set()
     for thread in threads:
         thread.join(timeout=60)

@@ -63,15 +63,15 @@ def prefill_at(engine: Engine, layout: PromptLayout, layer_compute_s: float) -> 
 @pytest.mark.parametrize("engine", [tiers.MEMORY, tiers.SSD], indirect=True)
 def test_one_slow_first_read_then_fast_reads_resume_blending_by_the_third_request(engine, chunks):
     layout = engine.layout(ask(chunks))
-    engine.prefiller.kv_read_delay_s = 0.05  # the first request reads 50 ms per layer
-    first = prefill_at(engine, layout, layer_compute_s=0.01)
+    engine.prefiller.kv_read_delay_s = 0.15  # the first request reads 150 ms per layer
+    first = prefill_at(engine, layout, layer_compute_s=0.03)
     assert first.blend.chosen_by == "controller" and not first.blend.fell_back_to_full_prefill
     assert set(first.chunk_tiers) == {
         tiers.MEMORY if engine.store.tier(tiers.SSD) is None else tiers.SSD
     }
 
     engine.prefiller.kv_read_delay_s = 0.0
-    later = [prefill_at(engine, layout, layer_compute_s=0.01) for _ in range(6)]  # requests 2-7
+    later = [prefill_at(engine, layout, layer_compute_s=0.03) for _ in range(6)]  # requests 2-7
     # Request 2 still believes the tier is slow, but its probe measures it fast.
     assert later[0].blend.fell_back_to_full_prefill
     assert [p.blend.fell_back_to_full_prefill for p in later[1:]] == [False] * 5

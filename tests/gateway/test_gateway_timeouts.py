@@ -70,10 +70,12 @@ def test_a_frozen_engine_is_left_for_the_next_one_within_the_ttft_timeout(
             assert answer.status_code == 200, answer.text
             assert answer.json()["engine"] == other
             assert elapsed_s < deadline_s + SLACK_S
+            failovers = pair_gateway.log().count("failing over")
+            assert failovers >= 1
             # Out of the rotation now: the next query does not wait for it again.
-            again, elapsed_s = timed(lambda: ask(http, doc_ids))
-            assert again.json()["engine"] == other and elapsed_s < TTFT_TIMEOUT_S
-            assert pair_gateway.log().count("failing over") >= 1
+            again = ask(http, doc_ids)
+            assert again.json()["engine"] == other
+            assert pair_gateway.log().count("failing over") == failovers
         # Back in the rotation once a health probe (here /ready's) sees it answer.
         deadline = time.monotonic() + 30
         while http.get("/ready").json().get("engines_up") != 2:
