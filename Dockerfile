@@ -54,6 +54,8 @@ RUN groupadd --gid 10001 ragblend \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /app /app
 COPY deploy/docker/healthcheck.py /usr/local/bin/ragblend-healthcheck
+# The bundled SmolLM2 and its generation defaults (README, "Sampling penalties": a frequency
+# penalty of 0.3 repeats less and keeps the facts); set another model, reconsider the penalty.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/models/huggingface \
@@ -65,7 +67,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     RAGBLEND_GATEWAY_HOST=0.0.0.0 \
     RAGBLEND_RETRIEVER_DATA_DIR=/data/retriever \
     RAGBLEND_ENGINE_STORE_PATH=/data/kv \
-    RAGBLEND_ENGINE_MODEL=/app/models/smollm2
+    RAGBLEND_ENGINE_MODEL=/app/models/smollm2 \
+    RAGBLEND_ENGINE_FREQUENCY_PENALTY=0.3
 WORKDIR /app
 USER ragblend
 VOLUME ["/data", "/models"]

@@ -1,7 +1,7 @@
 """Quality of blending on a real model (SmolLM2-135M-Instruct by default) over real text: teacher-
 forced KL from full prefill and prefill time of every mode, r, selection and check layer.
 
-    .venv/bin/python bench/quality_real.py --threads 2                   # 48 prompts
+    .venv/bin/python bench/quality_real.py --threads 2     # 48 prompts of 4 x 128 tokens
     .venv/bin/python bench/quality_real.py --threads 2 --prompts 8 --ratios 0.15 --check-layers 1
 
 Prompts: `evaluation.real_text` (CPython's language reference and Debian's common licenses: they
@@ -26,6 +26,7 @@ import logging
 import random
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,12 +223,23 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.set_xlabel("prefill time (TTFT) relative to full prefill, median over prompts")
     ax.set_ylabel("teacher-forced KL(full ‖ setting), nats per answer token")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_per_prompt(results: list[PromptResult], settings: list[Setting], path: Path) -> None:
+    """Teacher-forced KL and argmax agreement of every setting on every prompt, in order."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "setting", "tf_kl", "tf_argmax_agreement"])
+        for index, result in enumerate(results):
+            for setting in settings:
+                deviation = result.by_label[setting.label].deviation
+                writer.writerow([index, setting.label, deviation.kl, deviation.argmax_agreement])
 
 
 def positive(value: str) -> int:
@@ -256,7 +268,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: the packaged SmolLM2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prompts", type=positive, default=48)
-    parser.add_argument("--chunk-tokens", type=positive, default=256)
+    parser.add_argument("--chunk-tokens", type=positive, default=128)
     parser.add_argument("--chunks-per-prompt", type=positive, default=4)
     parser.add_argument("--answer-tokens", type=positive, default=16)
     parser.add_argument("--ratios", type=ratio, nargs="+", default=list(RATIOS))
@@ -265,6 +277,12 @@ def main() -> None:
     parser.add_argument("--threads", type=positive, default=2)
     parser.add_argument("--csv", type=Path, default=ROOT / "bench/results/quality_real.csv")
     parser.add_argument("--png", type=Path, default=ROOT / "docs/quality_real.png")
+    parser.add_argument(
+        "--prompts-csv",
+        type=Path,
+        default=ROOT / "bench/results/quality_real-prompts.csv",
+        help="one row per prompt and setting (what the gate's margins are set from)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -320,6 +338,7 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
+    write_per_prompt(results, settings, args.prompts_csv)
     name = Path(model).name
     title = (
         f"{name}, {args.dtype}: {len(results)} real-text prompts of {args.chunks_per_prompt} x "

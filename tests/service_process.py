@@ -3,7 +3,9 @@ the tests. (Imported as tests.service_process.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,6 +25,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# Below Linux's ephemeral range (32768-60999): no outgoing connection takes one of these
+# between the check and the service's bind, as it can take a neighbour of an ephemeral port.
+_RUN_PORTS = range(20000, 32000)
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports that are all free (for `up --engines N`, which
+    puts engine i on the first port + i)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(_RUN_PORTS.start, _RUN_PORTS.stop - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in {_RUN_PORTS}")
 
 
 def service_env(**extra: str) -> dict[str, str]:

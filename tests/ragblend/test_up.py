@@ -22,7 +22,7 @@ import psutil
 
 from ragblend.up import STOP_GRACE_S
 from tests.redis_server import ping
-from tests.service_process import REPO_ROOT, free_port, service_env
+from tests.service_process import REPO_ROOT, free_port, free_port_run, service_env
 
 # Thousands of tokens take the tiny model many seconds: the engine is busy past any grace.
 LONG_QUERY = {"question": "Tell me everything about Quendor.", "max_tokens": 4000, "stream": True}
@@ -122,7 +122,7 @@ def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(ti
     samples.mkdir()
     (samples / "river.md").write_text("The Zorblax river flows through Quendor.\n")
     (samples / "pass.txt").write_text("Travelers cross the Vantir mountains by the Kessa pass.\n")
-    ports = {name: free_port() for name in ("gateway", "retriever", "engine")}
+    ports = {"gateway": free_port(), "retriever": free_port(), "engine": free_port_run(2)}
     port_args = [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     command = up_command(tiny_model, tmp_path / "data", "--documents", str(samples), *port_args)
     log = tmp_path / "up.log"
@@ -188,7 +188,7 @@ class RunningUp:
 def running_up(model: str, tmp_path: Path, *args: str, **env: str) -> Iterator[RunningUp]:
     """`ragblend up` on free ports with no sample documents, once its banner is printed;
     SIGKILLed (with what it started) on the way out if a test left it running."""
-    ports = {name: free_port() for name in ("gateway", "retriever", "engine")}
+    ports = {"gateway": free_port(), "retriever": free_port(), "engine": free_port_run(2)}
     port_args = [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     empty = tmp_path / "no-documents"
     empty.mkdir(exist_ok=True)
@@ -365,3 +365,12 @@ def test_up_runs_n_engines_sharing_a_supervised_redis_and_stops_them_all(tiny_mo
         assert up.proc.wait(timeout=60) == 0
         assert not wait_gone(pids, timeout_s=5)
         assert not ping(redis_port)
+
+
+def test_the_bundled_model_gets_its_measured_frequency_penalty_unless_one_is_set():
+    from ragblend.up import engine_env_for
+
+    assert engine_env_for({}, bundled=True)["RAGBLEND_ENGINE_FREQUENCY_PENALTY"] == "0.3"
+    chosen = {"RAGBLEND_ENGINE_FREQUENCY_PENALTY": "0"}
+    assert engine_env_for(chosen, bundled=True) == chosen
+    assert "RAGBLEND_ENGINE_FREQUENCY_PENALTY" not in engine_env_for({}, bundled=False)
