@@ -122,7 +122,7 @@ def test_up_starts_the_stack_ingests_the_samples_answers_and_stops_on_sigterm(ti
     samples.mkdir()
     (samples / "river.md").write_text("The Zorblax river flows through Quendor.\n")
     (samples / "pass.txt").write_text("Travelers cross the Vantir mountains by the Kessa pass.\n")
-    ports = {"gateway": free_port(), "retriever": free_port(), "engine": free_port_run(2)}
+    ports = {name: free_port() for name in ("gateway", "retriever", "engine")}
     port_args = [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
     command = up_command(tiny_model, tmp_path / "data", "--documents", str(samples), *port_args)
     log = tmp_path / "up.log"
