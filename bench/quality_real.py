@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from engine.engine import Engine  # noqa: E402
 from engine.selection import Selection  # noqa: E402
 from engine.types import Mode  # noqa: E402
-from evaluation.compare import PromptResult, Variant, compare_prompt  # noqa: E402
+from evaluation.compare import Case, PromptResult, Variant, compare_prompts  # noqa: E402
 from evaluation.real_text import build_prompts  # noqa: E402
 
 log = logging.getLogger("bench.quality_real")
@@ -281,7 +281,7 @@ def main() -> None:
         "--prompts-csv",
         type=Path,
         default=ROOT / "bench/results/quality_real-prompts.csv",
-        help="one row per prompt and setting (what the gate's margins are set from)",
+        help="one row per prompt and setting",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -319,14 +319,14 @@ def main() -> None:
     )
     if len(prompts) < args.prompts:
         log.warning("only %d prompts of %d chunks exist", len(prompts), args.chunks_per_prompt)
+    cases = [Case(p.question, p.passages, variants) for p in prompts]
     results = []
     try:
-        for prompt in tqdm(prompts, desc=f"{len(settings) + 1} settings", unit="prompt"):
-            results.append(
-                compare_prompt(
-                    reference, prompt.question, prompt.passages, variants, args.answer_tokens
-                )
-            )
+        compared = compare_prompts(reference, cases, args.answer_tokens)
+        for result in tqdm(
+            compared, desc=f"{len(settings) + 1} settings", total=len(cases), unit="prompt"
+        ):
+            results.append(result)
     finally:
         for engine in engines.values():
             engine.close()

@@ -1,16 +1,19 @@
-"""One prompt in several settings, each run by an engine of its own over one model and KV store:
+"""Prompts in several settings, each run by an engine of its own over one model and KV store:
 every setting's teacher-forced deviation from full prefill and its prefill time."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.agreement import AnswerDeviation
+import torch
+
+from engine.agreement import AnswerDeviation, answer_deviation
 from engine.engine import Engine
+from engine.prefill import Prefill
 from engine.types import Chunk, GenerateRequest, Mode
-from evaluation.teacher_forcing import ANSWER_TOKENS, answer_logits, greedy_answer, teacher_forced
+from evaluation.teacher_forcing import ANSWER_TOKENS, answers_logits, greedy_answers
 
 
 @dataclass(frozen=True)
@@ -43,33 +46,64 @@ def as_chunks(passages: Sequence[str]) -> tuple[Chunk, ...]:
     return tuple(Chunk(hashlib.sha256(p.encode()).hexdigest()[:16], p) for p in passages)
 
 
-def compare_prompt(
-    reference: Engine,
-    question: str,
-    passages: Sequence[str],
-    variants: Sequence[Variant],
-    answer_tokens: int = ANSWER_TOKENS,
-) -> PromptResult:
-    """Precompute the passages' KV, run full prefill on `reference` and take its greedy answer,
-    then prefill the prompt in every variant and compare. Prefills run on the calling thread,
-    outside the engines' serving loops."""
-    chunks = as_chunks(passages)
-    reference.precompute(chunks)
+@dataclass(frozen=True)
+class Case:
+    """A prompt and the settings to compare on it."""
 
-    def request(mode: Mode, ratio: float | None) -> GenerateRequest:
-        return GenerateRequest(question=question, chunks=chunks, mode=mode, recompute_ratio=ratio)
+    question: str
+    passages: Sequence[str]
+    variants: Sequence[Variant]
 
-    full = reference.prefill(request(Mode.FULL_PREFILL, None))
+
+# Prompts whose full prefills are kept to decode their greedy answers as one batch, and
+# prefills whose answer logits are computed as one batch: the forward of one token reads every
+# weight (memory-bound on a CPU), a batch of 8 costs little more; 8 prompts' KV of ~600 tokens
+# is ~200 MB on SmolLM2 in float32.
+BATCH = 8
+
+
+def compare_prompts(
+    reference: Engine, cases: Sequence[Case], answer_tokens: int = ANSWER_TOKENS
+) -> Iterator[PromptResult]:
+    """Each case's result, in order: its passages' KV precomputed, full prefill on `reference`
+    and its greedy answer, then every variant's prefill compared with it. Prefills run on the
+    calling thread, outside the engines' serving loops."""
+    for start in range(0, len(cases), BATCH):
+        group = cases[start : start + BATCH]
+        fulls = [_full_prefill(reference, case) for case in group]
+        answers = greedy_answers(reference.model, fulls, reference.eos_ids, answer_tokens)
+        for case, full, answer in zip(group, fulls, answers, strict=True):
+            yield _compare(reference, case, full, answer)
+
+
+def _request(case: Case, mode: Mode, ratio: float | None) -> GenerateRequest:
+    chunks = as_chunks(case.passages)
+    return GenerateRequest(question=case.question, chunks=chunks, mode=mode, recompute_ratio=ratio)
+
+
+def _full_prefill(reference: Engine, case: Case) -> Prefill:
+    reference.precompute(as_chunks(case.passages))
+    return reference.prefill(_request(case, Mode.FULL_PREFILL, None))
+
+
+def _compare(reference: Engine, case: Case, full: Prefill, answer: list[int]) -> PromptResult:
     model = reference.model
-    answer = greedy_answer(model, full, reference.eos_ids, answer_tokens)
-    full_logits = answer_logits(model, full, answer)
+    full_logits: torch.Tensor | None = None
     by_label: dict[str, Measured] = {}
-    for variant in variants:
-        assert variant.engine.model is model, "variants share the reference's model"
-        prefill = variant.engine.prefill(request(variant.mode, variant.recompute_ratio))
-        by_label[variant.label] = Measured(
-            teacher_forced(model, full_logits, prefill, answer),
-            prefill.prefill_s,
-            prefill.usage.recomputed_tokens,
-        )
+    # Batches of BATCH rows, full prefill's row first in the first one.
+    for start in range(0, len(case.variants), BATCH - 1):
+        variants = case.variants[start : start + BATCH - 1]
+        for variant in variants:
+            assert variant.engine.model is model, "variants share the reference's model"
+        prefills = [v.engine.prefill(_request(case, v.mode, v.recompute_ratio)) for v in variants]
+        rows = prefills if full_logits is not None else [full, *prefills]
+        logits = list(answers_logits(model, rows, answer))
+        if full_logits is None:
+            full_logits = logits.pop(0)
+        for variant, prefill, row in zip(variants, prefills, logits, strict=True):
+            by_label[variant.label] = Measured(
+                answer_deviation(full_logits, row),
+                prefill.prefill_s,
+                prefill.usage.recomputed_tokens,
+            )
     return PromptResult(full.prefill_s, tuple(answer), full.layout.num_tokens, by_label)

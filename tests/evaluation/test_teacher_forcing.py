@@ -8,7 +8,13 @@ import torch
 
 from engine.engine import Engine
 from engine.types import Chunk, GenerateRequest, Mode
-from evaluation.teacher_forcing import answer_logits, greedy_answer, teacher_forced
+from evaluation.teacher_forcing import (
+    answer_logits,
+    answers_logits,
+    greedy_answer,
+    greedy_answers,
+    teacher_forced,
+)
 
 PASSAGES = ("The river of Dedrem is the Kelmora.", "Tredrer lies on the coast of the north.")
 
@@ -20,12 +26,16 @@ def engine(request, checkpoint_dir):
     engine.close()
 
 
-def prefill(engine: Engine, mode: Mode, ratio: float | None = None):
-    chunks = tuple(Chunk(f"c{i}", text) for i, text in enumerate(PASSAGES))
+def prefill(
+    engine: Engine,
+    mode: Mode,
+    ratio: float | None = None,
+    passages: tuple[str, ...] = PASSAGES,
+    question: str = "Which river?",
+):
+    chunks = tuple(Chunk(f"c{i}", text) for i, text in enumerate(passages))
     engine.precompute(chunks)
-    request = GenerateRequest(
-        question="Which river?", chunks=chunks, mode=mode, recompute_ratio=ratio
-    )
+    request = GenerateRequest(question=question, chunks=chunks, mode=mode, recompute_ratio=ratio)
     return engine.prefill(request)
 
 
@@ -60,3 +70,20 @@ def test_full_prefill_against_itself_is_zero_and_full_reuse_is_not(engine):
     reused = teacher_forced(engine.model, reference, prefill(engine, Mode.FULL_REUSE), answer)
     assert same.kl < 1e-9 and same.argmax_agreement == 1.0 and same.positions == len(answer)
     assert reused.kl > 1e-4
+
+
+def test_a_batch_of_prompts_of_different_lengths_decodes_as_each_alone(engine):
+    prompts = [
+        prefill(engine, Mode.FULL_PREFILL),
+        prefill(engine, Mode.FULL_PREFILL, passages=PASSAGES[1:], question="Where?"),
+        prefill(engine, Mode.FULL_PREFILL, passages=PASSAGES[::-1], question="Which coast is it?"),
+    ]
+    assert len({p.layout.num_tokens for p in prompts}) == 3, "the batch needs padding"
+    alone = [greedy_answer(engine.model, p, engine.eos_ids, max_tokens=6) for p in prompts]
+    assert greedy_answers(engine.model, prompts, engine.eos_ids, max_tokens=6) == alone
+    # One answer after every prompt: each row is that prompt's answer_logits().
+    batched = answers_logits(engine.model, prompts, alone[0])
+    for row, p in enumerate(prompts):
+        torch.testing.assert_close(
+            batched[row], answer_logits(engine.model, p, alone[0]), rtol=1e-4, atol=1e-4
+        )
