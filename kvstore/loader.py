@@ -8,56 +8,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
-from kvstore import tiers
-from kvstore.codec import QuantizedPair
 from kvstore.errors import KVEntryError, KVStreamError
-from kvstore.types import ChunkKV, LayerLoad, StreamStats
+from kvstore.staging import StagingRing, StagingRings, pack, packed_size, unpack
+from kvstore.tiers import KVPair, LayerItem, LayerSource
+from kvstore.types import LayerLoad, StreamStats
 
 logger = logging.getLogger(__name__)
-
-KVPair = tuple[torch.Tensor, torch.Tensor]
-# Pinned staging slots on CUDA. A slot is reused two layers later; its previous host->device copy
-# (tens of GB/s) has long finished by then, and waiting on that layer's event makes it certain.
-RING_SLOTS = 2
-# Every tensor packed into a staging slab starts on this boundary, so any dtype can view it.
-PACK_ALIGN = 256
-
-
-# What a source hands the loader for one layer: K and V, or (compressed tiers) their payload
-# and scales, which travel compressed and are dequantized on the device.
-LayerItem = KVPair | QuantizedPair
-
-
-class LayerSource(Protocol):
-    """One present chunk as the loader reads it; `read_layer` may raise KVEntryError/OSError."""
-
-    key: str
-    tier: str
-    num_layers: int
-
-    def read_layer(self, layer: int) -> LayerItem: ...
-
-    def close(self) -> None: ...
-
-
-class MemorySource:
-    """A chunk held by an in-memory tier: a layer is a pair of views, no copy."""
-
-    def __init__(self, key: str, kv: ChunkKV, tier: str = tiers.MEMORY) -> None:
-        self.key = key
-        self.kv = kv
-        self.tier = tier
-        self.num_layers = kv.num_layers
-
-    def read_layer(self, layer: int) -> KVPair:
-        return self.kv.layer(layer)
-
-    def close(self) -> None:
-        """Nothing to release; the tier owns the tensors."""
 
 
 def _item_tensors(item: LayerItem) -> list[torch.Tensor]:
@@ -77,44 +36,21 @@ def _nbytes(item: LayerItem) -> int:
     return sum(t.nbytes for t in _item_tensors(item))
 
 
-def packed_size(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of a slab that holds `tensors` back to back, each on a PACK_ALIGN boundary."""
-    return sum(-(-t.nbytes // PACK_ALIGN) * PACK_ALIGN for t in tensors)
-
-
-def pack(tensors: Sequence[torch.Tensor], slab: torch.Tensor) -> list[int]:
-    """Copy `tensors` into the uint8 `slab` back to back; returns each one's byte offset."""
-    offsets, offset = [], 0
-    for t in tensors:
-        slab[offset : offset + t.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-        offsets.append(offset)
-        offset += -(-t.nbytes // PACK_ALIGN) * PACK_ALIGN
-    return offsets
-
-
-def unpack(
-    slab: torch.Tensor, offsets: Sequence[int], like: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Views of `slab` with the dtypes and shapes of `like`, at `offsets` (see pack)."""
-    return [
-        slab[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-        for offset, t in zip(offsets, like, strict=True)
-    ]
-
-
 class Loader:
     """One loader thread for many streams: it loads one layer at a time for the oldest open
     stream whose lookahead window allows one, so the streams of a whole scheduler step (and
     of requests queued behind it) share one thread and one I/O queue, and a stream opened
     ahead of its prefill has its first layers ready when that prefill starts.
 
-    Streams share the loader's condition variable. The thread starts with the first stream
-    and exits when `stop()` is called and no stream is left.
+    Streams share the loader's condition variable and, since the thread copies one layer at
+    a time, its staging rings and copy streams. The thread starts with the first stream and
+    exits when `stop()` is called and no stream is left.
     """
 
     def __init__(self, name: str = "kv-loader") -> None:
         self.name = name
         self.cond = threading.Condition()
+        self.staging = StagingRings()
         self._streams: list[KVLayerStream] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -238,13 +174,12 @@ class KVLayerStream:
         self._layers_read: set[int] = set()
         self._ready: dict[int, list[KVPair]] = {}
         self._events: dict[int, torch.cuda.Event] = {}
-        self._ring: list[torch.Tensor] = []  # staging slots, allocated at the first layer
-        self._slot_events: list[torch.cuda.Event | None] = [None] * RING_SLOTS
         self._error: KVStreamError | None = None
         self._closed = False
-        self._copy_stream = (
-            torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._staging: StagingRing | None = (
+            self._loader.staging.for_device(self.device) if self.coalesce else None
         )
+        self._copy_stream = self._staging.copy_stream if self._staging is not None else None
         if live:
             self._loader.add(self)
 
@@ -404,7 +339,7 @@ class KVLayerStream:
             self._count(source.tier, nbytes)
             layer_bytes += nbytes
             items.append(item)
-        pairs, event = self._to_device(i, items)
+        pairs, event = self._to_device(items)
         timing = LayerLoad(i, start_s, time.perf_counter(), layer_bytes)
         with self._cond:
             self.timings.append(timing)
@@ -416,29 +351,32 @@ class KVLayerStream:
                     self._events[i] = event
             self._cond.notify_all()
 
-    def _to_device(
-        self, layer: int, items: list[LayerItem]
-    ) -> tuple[list[KVPair], torch.cuda.Event | None]:
+    def _to_device(self, items: list[LayerItem]) -> tuple[list[KVPair], torch.cuda.Event | None]:
         """Device pairs of one layer, and the event marking the end of their copy (CUDA)."""
         if not self.coalesce:
             return [item if isinstance(item, tuple) else item.dequantize() for item in items], None
+        assert self._staging is not None
         if self._copy_stream is None:
-            return self._transfer(layer, items), None
+            return self._transfer(self._staging, items)[0], None
         with torch.cuda.stream(self._copy_stream):
-            pairs = self._transfer(layer, items)
+            pairs, slot = self._transfer(self._staging, items)
         event = torch.cuda.Event()
         event.record(self._copy_stream)
-        self._slot_events[layer % RING_SLOTS] = event
+        if slot is not None:
+            self._staging.copied(slot, event)
         return pairs, event
 
-    def _transfer(self, layer: int, items: list[LayerItem]) -> list[KVPair]:
+    def _transfer(
+        self, ring: StagingRing, items: list[LayerItem]
+    ) -> tuple[list[KVPair], int | None]:
         """Pack every host tensor of the layer into a staging slot, copy the slot to the device
-        in one piece, and rebuild the items as views of the copy (dequantized there)."""
+        in one piece, and rebuild the items as views of the copy (dequantized there); the
+        pairs, and the slot used (None when nothing had to move)."""
         host = [t for item in items for t in _item_tensors(item) if self._must_move(t)]
         moved: list[torch.Tensor] = []
+        slot = None
         if host:
-            slot = layer % RING_SLOTS
-            staging = self._slot(slot, packed_size(host))
+            slot, staging = ring.take(packed_size(host))
             offsets = pack(host, staging)
             device_slab = staging.to(self.device, non_blocking=True, copy=True)
             moved = unpack(device_slab, offsets, host)
@@ -449,28 +387,12 @@ class KVLayerStream:
             tensors = [next(next_moved) if self._must_move(t) else t for t in _item_tensors(item)]
             rebuilt = _with_tensors(item, tensors)
             pairs.append(rebuilt if isinstance(rebuilt, tuple) else rebuilt.dequantize())
-        return pairs
+        return pairs, slot
 
     def _must_move(self, tensor: torch.Tensor) -> bool:
         """Host tensors move; device-resident ones (the gpu tier) are used in place. On the
         CPU, a coalesced stream copies everything (the path tests cover)."""
         return tensor.device != self.device or self.device.type == "cpu"
-
-    def _slot(self, slot: int, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of staging slot `slot` (pinned on CUDA), once its previous copy
-        is done; slots grow to the largest layer seen."""
-        previous = self._slot_events[slot]
-        if previous is not None:
-            previous.synchronize()  # the copy that last read this slot is done
-        if not self._ring or self._ring[slot].numel() < nbytes:
-            pin = self._copy_stream is not None
-            if self._copy_stream is not None:
-                self._copy_stream.synchronize()  # the old slots may still be read by a copy
-            self._ring = [
-                torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(RING_SLOTS)
-            ]
-            self._slot_events = [None] * RING_SLOTS
-        return self._ring[slot][:nbytes]
 
     def _count(self, tier: str, nbytes: int) -> None:
         stats = self.stats

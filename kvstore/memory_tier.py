@@ -10,7 +10,7 @@ from collections import OrderedDict
 import torch
 
 from kvstore import tiers
-from kvstore.loader import MemorySource
+from kvstore.tiers import MemorySource
 from kvstore.types import ChunkKV, TierStats
 
 logger = logging.getLogger(__name__)

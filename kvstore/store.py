@@ -19,11 +19,11 @@ import torch
 from kvstore import format as kvformat
 from kvstore import tiers
 from kvstore.errors import KVEntryError
-from kvstore.loader import KVLayerStream, LayerSource, Loader, MemorySource
+from kvstore.loader import KVLayerStream, Loader
 from kvstore.memory_tier import MemoryTier
 from kvstore.remote_tier import RemoteEntryReader, RemoteTier, RemoteTierError
 from kvstore.ssd_tier import CheckReport, SSDEntryReader, SSDTier, is_entry_fault
-from kvstore.tiers import Tier
+from kvstore.tiers import LayerSource, MemorySource, Tier
 from kvstore.types import ChunkKV, TierStats, validate_key
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,16 @@
-"""The KV tiers by name, in lookup order, with the interface every tier implements: the one
-place tier names are spelled out (the engine, the controller and the metrics import them)."""
+"""The KV tiers by name, in lookup order, with the interfaces every tier and its layer sources
+implement: the one place tier names are spelled out (engine, controller and metrics use them)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
+from kvstore.codec import QuantizedPair
+
 if TYPE_CHECKING:
-    from kvstore.loader import LayerSource
+    from kvstore.format import EncodedEntry
     from kvstore.types import ChunkKV, TierStats
 
 GPU = "gpu"  # device memory, CUDA only: a hit costs no copy
@@ -35,11 +39,50 @@ def slowest(tiers: list[str | None]) -> str | None:
     return max(present, key=rank) if present else None
 
 
+KVPair = tuple[torch.Tensor, torch.Tensor]
+# What a source hands the loader for one layer: K and V, or (compressed tiers) their payload
+# and scales, which travel compressed and are dequantized on the device.
+LayerItem = KVPair | QuantizedPair
+
+
+class LayerSource(Protocol):
+    """One present chunk as the loader reads it; `read_layer` may raise KVEntryError/OSError."""
+
+    key: str
+    tier: str
+    num_layers: int
+
+    def read_layer(self, layer: int) -> LayerItem: ...
+
+    def close(self) -> None: ...
+
+
+class MemorySource:
+    """A chunk held by an in-memory tier: a layer is a pair of views, no copy."""
+
+    def __init__(self, key: str, kv: ChunkKV, tier: str = MEMORY) -> None:
+        self.key = key
+        self.kv = kv
+        self.tier = tier
+        self.num_layers = kv.num_layers
+
+    def read_layer(self, layer: int) -> KVPair:
+        return self.kv.layer(layer)
+
+    def close(self) -> None:
+        """Nothing to release; the tier owns the tensors."""
+
+
 class Tier(Protocol):
     """One level of the store. Thread-safe. `open` returns a layer source for a hit (a miss or
-    a bad entry is None: logged, counted, deleted); `put` returns the keys evicted for room."""
+    a bad entry is None: logged, counted, deleted); `put` returns the keys evicted for room.
+
+    `promotable`: an entry read from this tier is copied to the faster ones once read (the
+    persistent tiers). `report_error` hears that a read of one of its sources failed, and
+    deletes the entry when the entry is at fault."""
 
     name: str
+    promotable: bool
 
     def __contains__(self, key: str) -> bool: ...
 
@@ -49,4 +92,15 @@ class Tier(Protocol):
 
     def discard(self, key: str) -> bool: ...
 
+    def report_error(self, key: str, error: BaseException) -> None: ...
+
     def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+class PersistentTier(Tier, Protocol):
+    """A tier the store writes through to (SSD, remote): it takes an entry already encoded, so
+    that one encode serves every persistent tier and a promoted entry is not encoded again."""
+
+    def write(self, entry: EncodedEntry) -> list[str]: ...

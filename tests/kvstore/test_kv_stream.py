@@ -14,8 +14,9 @@ import torch
 from kvstore import codec, tiers
 from kvstore import format as kvformat
 from kvstore.errors import KVStreamError
-from kvstore.loader import KVLayerStream
+from kvstore.loader import KVLayerStream, Loader
 from kvstore.store import KVStore, KVStoreConfig
+from kvstore.tiers import MemorySource
 from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, flip_byte, key_of, make_kv
 
 pytestmark = pytest.mark.timeout(30)  # a hang is a failure, not a stuck run
@@ -260,6 +261,26 @@ def test_a_coalesced_stream_moves_each_layer_in_one_copy(tmp_path: Path) -> None
                     assert k.data_ptr() != kv.keys[i].data_ptr()  # a copy, not the tier's view
         assert stream.stats.device_copies == 4
         assert stream.stats.device_copy_bytes >= sum(kv.nbytes for kv in chunks)
+
+
+def test_streams_of_one_loader_share_its_staging_ring_and_stay_exact() -> None:
+    small, large = make_kv(seed=1, num_tokens=2), make_kv(seed=2, num_tokens=11)
+    loader = Loader("kv-loader-shared-ring")
+    streams = [
+        KVLayerStream([MemorySource(KEYS[j], kv)], coalesce=True, lookahead=0, loader=loader)
+        for j, kv in enumerate((small, large))
+    ]
+    try:
+        for i in range(small.num_layers):  # interleaved: the larger layer grows the shared ring
+            for stream, kv in zip(streams, (small, large), strict=True):
+                ((k, v),) = stream.layer(i)
+                assert torch.equal(k, kv.keys[i]) and torch.equal(v, kv.values[i])
+    finally:
+        for stream in streams:
+            stream.close()
+        loader.stop()
+    ring = loader.staging.for_device(torch.device("cpu"))
+    assert streams[0]._staging is ring and streams[1]._staging is ring
 
 
 @pytest.mark.parametrize("encoding", ["fp8_e4m3", "int8"])
