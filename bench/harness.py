@@ -111,7 +111,7 @@ def build_store(
             pin_memory=loaded.device.type == "cuda",
             gpu_budget_bytes=gpu_budget_bytes,
             device=str(loaded.device),
-            ssd_encoding=ssd_encoding,
+            persistent_encoding=ssd_encoding,
         )
     )
 

@@ -216,19 +216,58 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[written:]
 
 
-def write_entry(fd: int, header: EntryHeader, header_bytes: bytes, kv: ChunkKV | EncodedKV) -> None:
-    """Write the whole entry (the header from `build_header`, then every layer of `kv`, the same
-    value `build_header` got) at the current position of `fd`."""
-    encoded = kv if isinstance(kv, EncodedKV) else encode(kv)
-    _write_all(fd, header_bytes)
+def layer_nbytes(header: EntryHeader) -> int:
+    """Bytes of one layer as stored (K, V, the gap before the scales, K and V scales), without
+    its trailing padding to ALIGN: a remote entry's layer value."""
+    return header.scales_offset + 2 * header.scale_nbytes
+
+
+@dataclass(frozen=True)
+class EncodedEntry:
+    """An entry ready for any persistent tier: its header, the header's bytes (zero-padded to
+    `data_offset`) and each layer's stored bytes in parts (`layer_nbytes` in all, no padding).
+    One is built per write and shared by the tiers, so an entry is encoded once."""
+
+    header: EntryHeader
+    header_bytes: bytes
+    layers: tuple[tuple[memoryview | bytes, ...], ...]
+
+    @property
+    def key(self) -> str:
+        return self.header.key
+
+
+def encode_entry(key: str, model_fingerprint: str, kv: ChunkKV, encoding: str) -> EncodedEntry:
+    """`kv` (host tensors) as an entry in `encoding`; ValueError for a dtype the format cannot
+    store, an unknown encoding, or KV the encoding cannot hold (inf or NaN)."""
+    encoded = encode(kv, encoding)
+    header, header_bytes = build_header(key, model_fingerprint, encoded)
     gap = bytes(header.scales_offset - 2 * header.kv_nbytes)
-    padding = bytes(header.layer_stride - header.scales_offset - 2 * header.scale_nbytes)
+    layers: list[tuple[memoryview | bytes, ...]] = []
     for i in range(header.num_layers):
         k, v, *scales = encoded.layer_parts(i)
-        _write_all(fd, k)
-        _write_all(fd, v)
-        _write_all(fd, gap)
-        for part in scales:
+        layers.append((k, v, gap, *scales))
+    return EncodedEntry(header, header_bytes, tuple(layers))
+
+
+def stored_entry(header: EntryHeader, header_bytes: bytes, buffer: torch.Tensor) -> EncodedEntry:
+    """An entry read whole into `buffer` (uint8, layer i at i * layer_stride) as it was stored,
+    to write to another tier without decoding and encoding it again."""
+    nbytes, stride = layer_nbytes(header), header.layer_stride
+    layers = tuple(
+        (_as_bytes(buffer[i * stride : i * stride + nbytes]),) for i in range(header.num_layers)
+    )
+    return EncodedEntry(header, header_bytes, layers)
+
+
+def write_entry(fd: int, entry: EncodedEntry) -> None:
+    """Write the whole entry (header, then every layer padded to `layer_stride`) at the current
+    position of `fd`."""
+    header = entry.header
+    _write_all(fd, entry.header_bytes)
+    padding = bytes(header.layer_stride - layer_nbytes(header))
+    for parts in entry.layers:
+        for part in parts:
             _write_all(fd, part)
         _write_all(fd, padding)
 

@@ -25,6 +25,8 @@ class MemoryTier:
     reads them, so a hit costs no copy at all.
     """
 
+    promotable = False  # the fastest tiers: nothing faster to copy an entry to
+
     def __init__(
         self,
         budget_bytes: int,
@@ -99,10 +101,16 @@ class MemoryTier:
                 self._bytes -= kv.nbytes
             return kv is not None
 
+    def report_error(self, key: str, error: BaseException) -> None:
+        """Nothing to do: a read of memory fails only by a bug, which the entry did not cause."""
+
     def stats(self) -> TierStats:
         with self._lock:
             self._stats.entries, self._stats.bytes = len(self._entries), self._bytes
             return TierStats(**vars(self._stats))
+
+    def close(self) -> None:
+        """Nothing to release: the entries go with the tier."""
 
     def _to_device(self, kv: ChunkKV) -> ChunkKV:
         keys, values = kv.keys.detach().to(self.device), kv.values.detach().to(self.device)

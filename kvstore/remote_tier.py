@@ -20,6 +20,7 @@ from redis.typing import EncodableT, FieldT
 
 from kvstore import codec, tiers
 from kvstore import format as kvformat
+from kvstore.entry_reader import EntryReader
 from kvstore.errors import KVCorruptError, KVEntryError
 from kvstore.types import ChunkKV, TierStats, validate_key
 
@@ -82,56 +83,35 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class RemoteEntryReader:
-    """An entry whose header was read and verified; reads one layer per HGET into a whole-entry
-    buffer laid out like an SSD entry's data, so that once every layer is read the buffer is the
-    entry (`chunk_kv`), as for SSD promotion."""
+class RemoteEntryReader(EntryReader):
+    """An entry in Redis: each layer is one HGET, copied once into the buffer."""
 
     tier = tiers.REMOTE
 
-    def __init__(self, owner: RemoteTier, key: str, header: kvformat.EntryHeader) -> None:
-        self.key = key
-        self.header = header
-        self.num_layers = header.num_layers
+    def __init__(
+        self, owner: RemoteTier, key: str, header: kvformat.EntryHeader, header_bytes: bytes
+    ) -> None:
+        super().__init__(key, header, header_bytes)
         self._owner = owner
-        self._buffer: torch.Tensor | None = None
-        self._layers_read: set[int] = set()
 
-    def read_layer(self, layer: int) -> kvformat.LayerData:
-        """K and V of `layer` (a pair, or a QuantizedPair for an encoded entry) as views of the
-        buffer. RemoteTierError when Redis fails, RemoteEntryGoneError when the entry was
-        evicted meanwhile, KVCorruptError when the value's length or checksum is wrong."""
-        header = self.header
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def _fetch(self, layer: int, block: torch.Tensor) -> None:
+        """RemoteTierError when Redis fails, RemoteEntryGoneError when the entry was evicted
+        meanwhile, KVCorruptError when the value's length is wrong."""
         raw = self._owner.get_layer(self.key, layer)
         if raw is None:
             raise RemoteEntryGoneError(f"layer {layer} of {self.key} is gone (evicted)")
-        if len(raw) != layer_nbytes(header):
+        expected = kvformat.layer_nbytes(self.header)
+        if len(raw) != expected:
             raise KVCorruptError(
-                f"layer {layer} of {self.key} has {len(raw)} bytes, {layer_nbytes(header)} expected"
+                f"layer {layer} of {self.key} has {len(raw)} bytes, {expected} expected"
             )
-        stride = header.layer_stride
-        if self._buffer is None:
-            self._buffer = torch.zeros(self.num_layers * stride, dtype=torch.uint8)
-        block = self._buffer[layer * stride : (layer + 1) * stride]
         np.copyto(block[: len(raw)].numpy(), np.frombuffer(raw, dtype=np.uint8))  # one copy
-        pair = kvformat.decode_layer(header, layer, block)
-        self._layers_read.add(layer)
-        return pair
-
-    def chunk_kv(self) -> ChunkKV | None:
-        """The whole entry in its original dtype once every layer was read, else None."""
-        if self._buffer is None or len(self._layers_read) < self.num_layers:
-            return None
-        return kvformat.decode_entry(self.header, self._buffer)
 
     def close(self) -> None:
-        """Nothing to release: the buffer goes with the reader."""
-
-
-def layer_nbytes(header: kvformat.EntryHeader) -> int:
-    """Bytes of one layer's value: the SSD layout of the layer (K, V, the gap before the
-    scales, K and V scales) without its trailing padding to 4096."""
-    return header.scales_offset + 2 * header.scale_nbytes
+        """Nothing to release: each layer was one request."""
 
 
 class RemoteTier:
@@ -152,6 +132,7 @@ class RemoteTier:
     """
 
     name = tiers.REMOTE
+    promotable = True
 
     def __init__(
         self,
@@ -246,7 +227,7 @@ class RemoteTier:
             self._count(misses=1)
             return None
         self._count(hits=1)
-        return RemoteEntryReader(self, key, header)
+        return RemoteEntryReader(self, key, header, raw)
 
     def get_layer(self, key: str, layer: int) -> bytes | None:
         """Layer `layer`'s value of entry `key`, None when it is gone; RemoteTierError."""
@@ -270,21 +251,26 @@ class RemoteTier:
         return reader.chunk_kv()
 
     def put(self, key: str, kv: ChunkKV) -> list[str]:
-        """Write `kv` (host tensors) in the tier's encoding: the header and every layer in one
-        HSET, which Redis runs whole or refuses whole (OOM), so a failed write leaves nothing
-        and two writers of one key leave one's entry, never a mix. Evicts nothing itself (Redis
-        does); returns []. RemoteTierError when Redis fails or the tier is backing off,
-        ValueError for KV the encoding cannot hold."""
-        encoded = kvformat.encode(kv, self.encoding)
-        header, header_bytes = kvformat.build_header(key, self.model_fingerprint, encoded)
-        gap = bytes(header.scales_offset - 2 * header.kv_nbytes)
-        fields: dict[FieldT, EncodableT] = {HEADER_FIELD: header_bytes}
-        for i in range(header.num_layers):
-            k, v, *scales = encoded.layer_parts(i)
-            fields[str(i)] = b"".join([k, v, gap, *scales])
-        name = self.redis_key(key)
+        """Write `kv` (host tensors) in the tier's encoding (see `write`); ValueError for KV
+        the encoding cannot hold."""
+        return self.write(kvformat.encode_entry(key, self.model_fingerprint, kv, self.encoding))
+
+    def write(self, entry: kvformat.EncodedEntry) -> list[str]:
+        """Write `entry`: the header and every layer in one HSET, which Redis runs whole or
+        refuses whole (OOM), so a failed write leaves nothing and two writers of one key leave
+        one's entry, never a mix. Evicts nothing itself (Redis does); returns [].
+        RemoteTierError when Redis fails or the tier is backing off, ValueError for an entry
+        of another model."""
+        header = entry.header
+        if header.model_fingerprint != self.model_fingerprint:
+            raise ValueError(f"entry {entry.key} is of another model")
+        fields: dict[FieldT, EncodableT] = {HEADER_FIELD: entry.header_bytes}
+        for i, parts in enumerate(entry.layers):
+            fields[str(i)] = b"".join(parts)
+        name = self.redis_key(entry.key)
         self._call("put", lambda: self._client.hset(name, mapping=fields))
-        self._count(bytes_written=len(header_bytes) + header.num_layers * layer_nbytes(header))
+        nbytes = len(entry.header_bytes) + header.num_layers * kvformat.layer_nbytes(header)
+        self._count(bytes_written=nbytes)
         return []
 
     def discard(self, key: str) -> bool:

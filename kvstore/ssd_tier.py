@@ -18,6 +18,7 @@ import torch
 
 from kvstore import codec, tiers
 from kvstore import format as kvformat
+from kvstore.entry_reader import EntryReader
 from kvstore.errors import KVCorruptError, KVEntryError
 from kvstore.types import ChunkKV, TierStats, is_valid_key, validate_key
 
@@ -88,40 +89,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class SSDEntryReader:
-    """An open entry whose header is verified; reads layers into one whole-entry host buffer so
-    that, once every layer is read, the buffer is the entry (`chunk_kv`) without another read."""
+class SSDEntryReader(EntryReader):
+    """An open entry file: each layer is one pread (O_DIRECT where allowed) into the buffer."""
 
     tier = tiers.SSD
 
-    def __init__(self, key: str, fd: int, header: kvformat.EntryHeader) -> None:
-        self.key = key
-        self.header = header
-        self.num_layers = header.num_layers
+    def __init__(
+        self, key: str, fd: int, header: kvformat.EntryHeader, header_bytes: bytes
+    ) -> None:
+        super().__init__(key, header, header_bytes)
         self._fd: int | None = fd
-        self._buffer: torch.Tensor | None = None
-        self._layers_read: set[int] = set()
 
-    def read_layer(self, layer: int) -> kvformat.LayerData:
-        """K and V of `layer` as views of the read buffer: a plain [H_kv, n, D] pair, or a
-        QuantizedPair for an encoded entry (dequantized wherever the caller copies it to).
-        KVCorruptError or OSError when bad."""
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return aligned_empty(nbytes)
+
+    def _fetch(self, layer: int, block: torch.Tensor) -> None:
         assert self._fd is not None, "reader is closed"
-        stride = self.header.layer_stride
-        if self._buffer is None:
-            self._buffer = aligned_empty(self.num_layers * stride)
-        block = self._buffer[layer * stride : (layer + 1) * stride]
         _pread_into(self._fd, block, self.header.layer_offset(layer))
-        pair = kvformat.decode_layer(self.header, layer, block)
-        self._layers_read.add(layer)
-        return pair
-
-    def chunk_kv(self) -> ChunkKV | None:
-        """The whole entry in its original dtype, or None until every layer was read: views of
-        the read buffer, or for an encoded entry its dequantized copy."""
-        if self._buffer is None or len(self._layers_read) < self.num_layers:
-            return None
-        return kvformat.decode_entry(self.header, self._buffer)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -138,6 +122,7 @@ class SSDTier:
     """
 
     name = tiers.SSD
+    promotable = True
 
     def __init__(
         self,
@@ -190,7 +175,7 @@ class SSDTier:
                 self._stats.misses += 1
                 return None
         try:
-            fd, header = self._open_verified(path, key)
+            fd, header, header_bytes = self._open_verified(path, key)
         except FileNotFoundError:
             logger.warning("SSD entry %s vanished behind the index; a miss", key)
             with self._lock:
@@ -211,7 +196,7 @@ class SSDTier:
             os.utime(fd, ns=(stamp, stamp))  # persists the recency for a restart
         except OSError as exc:
             logger.debug("could not stamp %s: %s", path, exc)
-        return SSDEntryReader(key, fd, header)
+        return SSDEntryReader(key, fd, header, header_bytes)
 
     def get(self, key: str) -> ChunkKV | None:
         """The whole entry, every layer checksum verified, or None on a miss (bad: deleted)."""
@@ -224,6 +209,11 @@ class SSDTier:
         else:
             logger.warning("SSD entry %s not readable now (kept): %s", key, error)
 
+    def report_error(self, key: str, error: BaseException) -> None:
+        """A read of `key` failed with `error`: the entry is deleted when it is at fault."""
+        if is_entry_fault(error):
+            self.report_corrupt(key, error)
+
     def report_corrupt(self, key: str, error: BaseException) -> None:
         """Count a bad entry, delete its file and forget it (a later lookup is a miss)."""
         logger.warning("SSD entry %s is unusable, deleting it: %s", key, error)
@@ -235,13 +225,19 @@ class SSDTier:
     # -- writes ----------------------------------------------------------------------------
 
     def put(self, key: str, kv: ChunkKV) -> list[str]:
-        """Write `kv` (host tensors) in the tier's encoding crash-safely (temp file, fsync,
-        rename, fsync dir) as most recently used; returns the keys evicted for room, LRU first.
-        An entry larger than the budget is not written. Raises OSError when the write fails
-        (nothing is left behind), ValueError for KV the encoding cannot hold (inf or NaN)."""
+        """Write `kv` (host tensors) in the tier's encoding (see `write`). Raises ValueError
+        for KV the encoding cannot hold (inf or NaN)."""
+        return self.write(kvformat.encode_entry(key, self.model_fingerprint, kv, self.encoding))
+
+    def write(self, entry: kvformat.EncodedEntry) -> list[str]:
+        """Write `entry` crash-safely (temp file, fsync, rename, fsync dir) as most recently
+        used; returns the keys evicted for room, LRU first. An entry larger than the budget is
+        not written. Raises OSError when the write fails (nothing is left behind), ValueError
+        for an entry of another model."""
+        header, key = entry.header, entry.key
+        if header.model_fingerprint != self.model_fingerprint:
+            raise ValueError(f"entry {key} is of another model")
         path = self.file_path(key)
-        encoded = kvformat.encode(kv, self.encoding)
-        header, header_bytes = kvformat.build_header(key, self.model_fingerprint, encoded)
         if header.file_size > self.budget_bytes:
             logger.info("entry %s (%d bytes) is over the SSD budget", key, header.file_size)
             return []
@@ -251,7 +247,7 @@ class SSDTier:
         temp = path.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            kvformat.write_entry(fd, header, header_bytes, encoded)
+            kvformat.write_entry(fd, entry)
             stamp = self._next_stamp_ns()
             os.utime(fd, ns=(stamp, stamp))
             os.fsync(fd)
@@ -323,6 +319,9 @@ class SSDTier:
             self._stats.entries, self._stats.bytes = len(self._index), self._bytes
             return TierStats(**vars(self._stats))
 
+    def close(self) -> None:
+        """Nothing to release: every reader closes its own file."""
+
     # -- internals -------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
@@ -360,7 +359,7 @@ class SSDTier:
                 try:
                     stat = entry.stat()
                     if known_size != stat.st_size:  # unknown or changed: verify its header
-                        fd, header = self._open_verified(Path(entry.path), key)
+                        fd, _, _ = self._open_verified(Path(entry.path), key)
                         os.close(fd)
                 except FileNotFoundError:
                     continue
@@ -377,8 +376,9 @@ class SSDTier:
                 found[key] = (stat.st_mtime_ns, stat.st_size)
         return found
 
-    def _open_verified(self, path: Path, key: str) -> tuple[int, kvformat.EntryHeader]:
-        """An fd (O_DIRECT where the filesystem allows) and the verified header of `path`."""
+    def _open_verified(self, path: Path, key: str) -> tuple[int, kvformat.EntryHeader, bytes]:
+        """An fd (O_DIRECT where the filesystem allows), the verified header of `path` and the
+        header's bytes."""
         fd = self._open_read(path)
         try:
             probe = aligned_empty(kvformat.ALIGN)
@@ -400,14 +400,15 @@ class SSDTier:
             if data_offset > kvformat.ALIGN:
                 block = aligned_empty(data_offset)
                 _pread_into(fd, block, 0)
-            header = kvformat.parse_header(block.numpy().data, self.model_fingerprint, key)
+            header_bytes = bytes(block.numpy().data[:data_offset])
+            header = kvformat.parse_header(header_bytes, self.model_fingerprint, key)
             size = os.fstat(fd).st_size
             if size != header.file_size:
                 raise KVCorruptError(f"file has {size} bytes, its header says {header.file_size}")
         except BaseException:
             os.close(fd)
             raise
-        return fd, header
+        return fd, header, header_bytes
 
     def _open_read(self, path: Path) -> int:
         if self._direct_io:
@@ -423,14 +424,14 @@ class SSDTier:
     def _verify_data(self, key: str) -> bool:
         """Read and verify every layer; False when the entry was bad (and is deleted now)."""
         try:
-            fd, header = self._open_verified(self.file_path(key), key)
+            fd, header, header_bytes = self._open_verified(self.file_path(key), key)
         except FileNotFoundError:
             self.discard(key)
             return True
         except (KVEntryError, OSError) as exc:
             self._drop_if_faulty(key, exc)
             return not is_entry_fault(exc)
-        return self._read_all(SSDEntryReader(key, fd, header)) is not None
+        return self._read_all(SSDEntryReader(key, fd, header, header_bytes)) is not None
 
     def _read_all(self, reader: SSDEntryReader) -> ChunkKV | None:
         """Every layer of an open entry, then closes it; None (entry dropped) when bad."""

@@ -18,12 +18,13 @@ import torch
 
 from kvstore import format as kvformat
 from kvstore import tiers
+from kvstore.entry_reader import EntryReader
 from kvstore.errors import KVEntryError
 from kvstore.loader import KVLayerStream, Loader
 from kvstore.memory_tier import MemoryTier
-from kvstore.remote_tier import RemoteEntryReader, RemoteTier, RemoteTierError
-from kvstore.ssd_tier import CheckReport, SSDEntryReader, SSDTier, is_entry_fault
-from kvstore.tiers import LayerSource, MemorySource, Tier
+from kvstore.remote_tier import RemoteTier, RemoteTierError
+from kvstore.ssd_tier import CheckReport, SSDTier
+from kvstore.tiers import LayerSource, MemorySource, PersistentTier, Tier
 from kvstore.types import ChunkKV, TierStats, validate_key
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ class KVStoreConfig:
     gpu_budget_bytes: int = 0
     device: str = "cpu"
     gpu_promote_hits: int = 2
-    ssd_encoding: str = "none"  # of new SSD and remote entries (codec.ENCODINGS); all read back
+    # How the store encodes the entries it writes to every persistent tier, SSD and remote
+    # (codec.ENCODINGS); entries of any encoding read back.
+    persistent_encoding: str = "none"
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_timeout_s: float = 0.5
 
@@ -124,22 +127,24 @@ class KVStore:
                 config.ssd_budget_bytes,
                 config.model_fingerprint,
                 config.direct_io,
-                config.ssd_encoding,
+                config.persistent_encoding,
             )
             if config.ssd_path is not None
             else None
         )
-        self._remote = (
+        remote = (
             RemoteTier(
                 config.remote_url,
                 config.model_fingerprint,
-                config.ssd_encoding,
+                config.persistent_encoding,
                 config.remote_timeout_s,
             )
             if config.remote_url is not None
             else None
         )
-        present: list[Tier | None] = [self._gpu, self._memory, self._ssd, self._remote]
+        # Written through in this order, each from one encode of the entry.
+        self._persistent: list[PersistentTier] = [t for t in (self._ssd, remote) if t is not None]
+        present: list[Tier | None] = [self._gpu, self._memory, *self._persistent]
         self.tiers: list[Tier] = sorted(
             (t for t in present if t is not None), key=lambda t: tiers.rank(t.name)
         )
@@ -148,7 +153,6 @@ class KVStore:
         self._pending: dict[str, Future[bool]] = {}  # keys queued for a write-through
         # Host-memory hits of keys not yet on the gpu, least recently hit first.
         self._host_hits: OrderedDict[str, int] = OrderedDict()
-        self._persistent = [t for t in self.tiers if t.name in tiers.PERSISTENT]
         self._write_errors = {t.name: 0 for t in self._persistent}
         self._last_write_error: dict[str, str | None] = {t.name: None for t in self._persistent}
         self._lock = threading.Lock()
@@ -192,7 +196,7 @@ class KVStore:
         if not self._persistent:
             written.set_result(key in self._memory)
             return written
-        if self._remote is None and self._ssd is not None and key in self._ssd:
+        if self._ssd is not None and self._persistent == [self._ssd] and key in self._ssd:
             written.set_result(True)  # keys are content hashes: the entry holds these tensors
             return written
         with self._lock:
@@ -299,8 +303,8 @@ class KVStore:
             self._jobs.put(None)
             self._worker.join()
             self._worker = None
-            if self._remote is not None:
-                self._remote.close()
+            for tier in self.tiers:
+                tier.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -321,19 +325,27 @@ class KVStore:
                 self._jobs.task_done()
 
     def _write(self, key: str, kv: ChunkKV, written: Future[bool]) -> None:
+        encode = functools.cache(
+            lambda: kvformat.encode_entry(
+                key, self.config.model_fingerprint, kv, self.config.persistent_encoding
+            )
+        )
         try:
-            outcomes = [self._write_to(tier, key, kv) for tier in self._persistent]
+            outcomes = [self._write_to(tier, key, encode) for tier in self._persistent]
         finally:
             with self._lock:
                 self._pending.pop(key, None)
         written.set_result(outcomes[0])
 
-    def _write_to(self, tier: Tier, key: str, kv: ChunkKV) -> bool:
-        """Write `kv` to one persistent tier unless it has the key; whether it has it now."""
+    def _write_to(
+        self, tier: PersistentTier, key: str, entry: Callable[[], kvformat.EncodedEntry]
+    ) -> bool:
+        """Write `entry()` to one persistent tier unless it has the key; whether it has it now.
+        `entry` encodes on its first call, so a tier holding the key costs no encode."""
         try:
             if key in tier:
                 return True  # keys are content hashes: the entry holds these tensors
-            tier.put(key, kv)
+            tier.write(entry())
         except Exception as exc:  # a failed write leaves the entry where it was, never a crash
             if isinstance(exc, RemoteTierError):  # the breaker logs Redis going down
                 logger.debug("%s write of %s failed: %s", tier.name, key, exc)
@@ -366,8 +378,11 @@ class KVStore:
         # Called on the loader thread, which must stay quick: reading the rest of an entry and
         # pinning it take a while, so the worker does them (and closes those readers).
         for source in sources:
+            tier = self.tier(source.tier)
             if (
-                isinstance(source, SSDEntryReader | RemoteEntryReader)
+                tier is not None
+                and tier.promotable
+                and isinstance(source, EntryReader)
                 and layers_read
                 and self._worker is not None
                 and self._worth_promoting(source)
@@ -376,28 +391,34 @@ class KVStore:
             else:
                 source.close()
 
-    def _worth_promoting(self, reader: SSDEntryReader | RemoteEntryReader) -> bool:
-        """Whether a tier can keep the whole entry: host memory, or SSD for a remote entry."""
-        fits = reader.header.chunk_nbytes <= self._memory.budget_bytes
-        return fits or (isinstance(reader, RemoteEntryReader) and self._ssd is not None)
+    def _faster_persistent(self, tier: str) -> list[PersistentTier]:
+        """The persistent tiers ahead of `tier` (SSD for a remote entry)."""
+        return [t for t in self._persistent if tiers.rank(t.name) < tiers.rank(tier)]
 
-    def _promote(self, reader: SSDEntryReader | RemoteEntryReader, layers_read: set[int]) -> None:
+    def _worth_promoting(self, reader: EntryReader) -> bool:
+        """Whether a faster tier can keep the whole entry: host memory, or a persistent one."""
+        fits = reader.header.chunk_nbytes <= self._memory.budget_bytes
+        return fits or bool(self._faster_persistent(reader.tier))
+
+    def _promote(self, reader: EntryReader, layers_read: set[int]) -> None:
+        """Complete the read of a promotable entry and copy it to the faster tiers: decoded to
+        host memory, as stored (no encode) to a faster persistent tier, for the next restart."""
         try:
             for layer in range(reader.num_layers):
                 if layer not in layers_read:
                     reader.read_layer(layer)
-            kv = reader.chunk_kv()
+            kv, stored = reader.chunk_kv(), reader.stored_entry()
         except (KVEntryError, OSError) as exc:
             self._stream_failed(reader, exc)
             return
         finally:
             reader.close()
-        if kv is None:
+        if kv is None or stored is None:
             return
         if kv.nbytes <= self._memory.budget_bytes:
             self._put_host(reader.key, kv)
-        if isinstance(reader, RemoteEntryReader) and self._ssd is not None:
-            self._write_to(self._ssd, reader.key, kv)  # the next restart finds it locally
+        for tier in self._faster_persistent(reader.tier):
+            self._write_to(tier, reader.key, lambda: stored)
 
     @staticmethod
     def _admit(tier: MemoryTier, key: str, kv: ChunkKV) -> None:
@@ -414,8 +435,6 @@ class KVStore:
 
     def _stream_failed(self, source: LayerSource, error: BaseException) -> None:
         """A read of `source` failed: its tier deletes the entry if the entry is at fault."""
-        if isinstance(source, SSDEntryReader) and self._ssd is not None:
-            if is_entry_fault(error):
-                self._ssd.report_corrupt(source.key, error)
-        elif isinstance(source, RemoteEntryReader) and self._remote is not None:
-            self._remote.report_error(source.key, error)
+        tier = self.tier(source.tier)
+        if tier is not None:
+            tier.report_error(source.key, error)

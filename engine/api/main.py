@@ -52,7 +52,7 @@ def build_engine(settings: EngineSettings) -> Engine:
             lookahead=settings.lookahead,
             gpu_budget_bytes=gpu_tier_bytes(settings),
             device=str(loaded.device),
-            ssd_encoding=settings.kv_encoding,
+            persistent_encoding=settings.kv_encoding,
             remote_url=settings.remote_url,
             remote_timeout_s=settings.remote_timeout_s,
         )

@@ -24,10 +24,9 @@ KEY = key_of(1)
 def _write(path: Path, kv, key: str = KEY, fingerprint: str = FINGERPRINT, encoding: str = "none"):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        encoded = kvformat.encode(kv, encoding)
-        header, header_bytes = kvformat.build_header(key, fingerprint, encoded)
-        kvformat.write_entry(fd, header, header_bytes, encoded)
-        return header
+        entry = kvformat.encode_entry(key, fingerprint, kv, encoding)
+        kvformat.write_entry(fd, entry)
+        return entry.header
     finally:
         os.close(fd)
 

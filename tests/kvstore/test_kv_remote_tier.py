@@ -15,8 +15,16 @@ import torch
 from kvstore import codec, tiers
 from kvstore.errors import KVStreamError
 from kvstore.remote_tier import RemoteTier, check_url, redact_url
+from kvstore.ssd_tier import SSDTier
 from kvstore.store import KVStore, KVStoreConfig
-from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, key_of, make_kv, read_entry
+from tests.kvstore.kv_testutil import (
+    FINGERPRINT,
+    assert_kv_equal,
+    key_of,
+    make_kv,
+    read_entry,
+    read_header,
+)
 from tests.redis_server import RedisServer
 
 KEYS = [key_of(i) for i in range(40)]
@@ -38,7 +46,7 @@ def _store(url: str, tmp_path: Path | None = None, encoding: str = "none") -> KV
             memory_budget_bytes=1 << 26,
             ssd_path=None if tmp_path is None else tmp_path / "kv",
             ssd_budget_bytes=1 << 30,
-            ssd_encoding=encoding,
+            persistent_encoding=encoding,
             remote_url=url,
         )
     )
@@ -85,6 +93,44 @@ def test_a_store_reads_remote_entries_layer_by_layer_and_promotes_them(
         assert KEYS[0] in reader.tier(tiers.SSD)  # type: ignore[operator]
         assert_kv_equal(read_entry(reader, KEYS[0]), kv)
         assert reader.stats().tiers[tiers.REMOTE].hits == 1
+
+
+def _assert_ssd_file_holds_the_remote_values(store: KVStore, server: RedisServer, key: str):
+    ssd = store.tier(tiers.SSD)
+    assert isinstance(ssd, SSDTier)
+    data = ssd.file_path(key).read_bytes()
+    values = _raw(server).hgetall(RemoteTier(server.url, FINGERPRINT).redis_key(key))
+    header = read_header(ssd.file_path(key), key)
+    assert data[: header.data_offset] == values[b"h"]
+    for i in range(header.num_layers):
+        at = header.layer_offset(i)
+        assert data[at : at + len(values[str(i).encode()])] == values[str(i).encode()]
+    return header
+
+
+def test_a_put_writes_one_encoding_of_the_entry_to_ssd_and_remote(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    with _store(server.url, tmp_path, encoding="int8") as store:
+        assert store.put(KEYS[0], make_kv(seed=6)).result(timeout=10) is True
+        header = _assert_ssd_file_holds_the_remote_values(store, server, KEYS[0])
+    assert header.encoding == "int8"
+
+
+def test_a_remote_entry_promoted_to_ssd_is_written_as_stored_not_encoded_again(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    kv = make_kv(seed=7)
+    with _store(server.url, encoding="int8") as writer:
+        writer.put(KEYS[0], kv).result(timeout=10)
+    with _store(server.url, tmp_path, encoding="none") as reader:
+        with reader.open_stream([KEYS[0]]) as stream:
+            for i in range(kv.num_layers):
+                stream.layer(i)
+        reader.flush()
+        header = _assert_ssd_file_holds_the_remote_values(reader, server, KEYS[0])
+        assert_kv_equal(read_entry(reader, KEYS[0]), codec.round_trip(kv, "int8"))
+    assert header.encoding == "int8"  # the reader's own encoding ("none") was not applied
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])

@@ -103,7 +103,7 @@ def _other_model(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
     try:
         kv = make_kv()
-        kvformat.write_entry(fd, *kvformat.build_header(path.name[:-3], "another-model", kv), kv)
+        kvformat.write_entry(fd, kvformat.encode_entry(path.name[:-3], "another-model", kv, "none"))
     finally:
         os.close(fd)
 

@@ -292,7 +292,7 @@ def test_compressed_entries_stream_dequantized_and_promote(
         model_fingerprint=FINGERPRINT,
         memory_budget_bytes=1 << 30,
         ssd_path=tmp_path / "kv",
-        ssd_encoding=encoding,
+        persistent_encoding=encoding,
     )
     kv = make_kv(seed=7, dtype=torch.bfloat16, num_tokens=128)
     expected = codec.round_trip(kv, encoding)  # exactly what the SSD tier keeps
@@ -380,7 +380,7 @@ def test_cuda_layers_arrive_in_one_copy_each_and_gpu_hits_in_none(
         pin_memory=True,
         gpu_budget_bytes=1 << 30,
         device="cuda",
-        ssd_encoding=encoding,
+        persistent_encoding=encoding,
     )
     chunks = [make_kv(seed=j, dtype=torch.bfloat16, num_tokens=64 + j) for j in range(3)]
     with KVStore(config) as store:
