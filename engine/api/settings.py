@@ -43,8 +43,9 @@ class EngineSettings(BaseSettings):
     ssd_budget_gb: float = Field(20.0, ge=0)
     kv_encoding: Encoding = Field(
         "int8",
-        description="how new SSD entries store KV: int8 or fp8 with per-channel scales (one "
-        "byte per value, dequantized on the device) or none (as computed); see docs/kvstore.md",
+        description="how new SSD and remote entries store KV: int8 or fp8 with per-channel "
+        "scales (one byte per value, dequantized on the device) or none (as computed); see "
+        "docs/kvstore.md",
     )
     lookahead: int = Field(2, ge=0, description="layers the KV loader runs ahead")
     remote_url: str | None = Field(
