@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 from common.request_id import configure_logging
-from ragblend.up import exit_with_parent
+from ragblend.children import exit_with_parent
 
 SUBCOMMAND_MODULES = (
     "engine.cli",

@@ -1,21 +1,41 @@
-"""The layering, read from the imports: no service imports the command line (`ragblend`), the
-demo or the evaluation harness; `common` imports no service; the harness (`evaluation`) uses
-the services in process but not the command line or the demo."""
+"""The layering, read from the imports and checked against the table of docs/architecture.md:
+a package imports only the packages its "may import" cell names, and every package has a row."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("engine", "kvstore", "retriever", "gateway")
-FORBIDDEN = {
-    **{package: {"ragblend", "demo", "evaluation"} for package in SERVICES},
-    "common": {"ragblend", "demo", "evaluation", *SERVICES},
-    "evaluation": {"ragblend", "demo"},
-}
+ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
+ANYTHING = "anything"
+ROW = re.compile(r"^\|\s*`(?P<folder>[a-z_]+)/`\s*\|.*\|(?P<may_import>[^|]*)\|\s*$")
+NAME = re.compile(r"`([a-z_]+)`")
+
+
+def allowed_imports(markdown: str) -> dict[str, set[str] | None]:
+    """Each folder of the table and the packages its "may import" cell names in backticks;
+    None where the cell starts with "anything"."""
+    table: dict[str, set[str] | None] = {}
+    for line in markdown.splitlines():
+        row = ROW.match(line)
+        if row is None:
+            continue
+        cell = row["may_import"].strip()
+        table[row["folder"]] = None if cell.startswith(ANYTHING) else set(NAME.findall(cell))
+    return table
+
+
+def packages(root: Path) -> list[str]:
+    """The top-level folders of the repository that hold Python code."""
+    return sorted(
+        path.name
+        for path in root.iterdir()
+        if path.is_dir() and not path.name.startswith(".") and any(path.rglob("*.py"))
+    )
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -30,19 +50,87 @@ def imported_packages(path: Path) -> set[str]:
     return names
 
 
-def modules(package: str) -> list[Path]:
-    found = sorted((REPO_ROOT / package).rglob("*.py"))
-    assert found, f"no modules under {package}/"
+def violations(root: Path, table: dict[str, set[str] | None]) -> dict[str, list[str]]:
+    """Each module importing one of our packages its folder's row does not allow (or whose
+    folder has no row), with the packages at fault."""
+    ours = set(packages(root))
+    found: dict[str, list[str]] = {}
+    for package in sorted(ours):
+        if package not in table:
+            found[f"{package}/"] = ["no row in the table"]
+            continue
+        allowed = table[package]
+        if allowed is None:
+            continue
+        for path in sorted((root / package).rglob("*.py")):
+            wrong = (imported_packages(path) & ours) - allowed - {package}
+            if wrong:
+                found[str(path.relative_to(root))] = sorted(wrong)
     return found
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_a_package_imports_nothing_above_its_floor(package):
-    offending = {
-        str(path.relative_to(REPO_ROOT)): sorted(imported_packages(path) & FORBIDDEN[package])
-        for path in modules(package)
+def test_every_package_imports_only_what_its_row_of_the_architecture_table_allows():
+    table = allowed_imports(ARCHITECTURE.read_text())
+    assert violations(REPO_ROOT, table) == {}
+
+
+def test_every_row_of_the_table_names_a_folder_of_the_repository():
+    table = allowed_imports(ARCHITECTURE.read_text())
+    assert sorted(set(table) - {path.name for path in REPO_ROOT.iterdir()}) == []
+
+
+def test_the_table_names_the_services_floor_so_the_check_is_not_vacuous():
+    table = allowed_imports(ARCHITECTURE.read_text())
+    assert table["common"] == set()
+    assert table["gateway"] is not None and "engine" not in table["gateway"]
+
+
+def write(root: Path, relative: str, text: str) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+TABLE = """\
+| folder | owns | may import |
+|---|---|---|
+| `common/` | shared | no service |
+| `engine/` | the model | `common` |
+| `gateway/` | the API | `common` |
+| `tests/` | tests | anything |
+"""
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    write(tmp_path, "common/__init__.py", "")
+    write(tmp_path, "engine/model.py", "import common.sse\nimport torch\n")
+    write(tmp_path, "gateway/app.py", "from common.errors import x\nfrom . import routes\n")
+    write(tmp_path, "tests/test_x.py", "import engine.model\nimport gateway.app\n")
+    return tmp_path
+
+
+def test_the_table_is_read_as_an_allowlist_per_folder():
+    assert allowed_imports(TABLE) == {
+        "common": set(),
+        "engine": {"common"},
+        "gateway": {"common"},
+        "tests": None,
     }
-    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_a_tree_that_keeps_to_the_table_passes(tree):
+    assert violations(tree, allowed_imports(TABLE)) == {}
+
+
+def test_a_gateway_import_of_the_engine_fails_as_it_is_not_in_the_gateway_row(tree):
+    write(tree, "gateway/routes.py", "def f():\n    from engine.model import run\n")
+    assert violations(tree, allowed_imports(TABLE)) == {"gateway/routes.py": ["engine"]}
+
+
+def test_a_package_without_a_row_fails(tree):
+    write(tree, "scripts/tool.py", "import common\n")
+    assert violations(tree, allowed_imports(TABLE)) == {"scripts/": ["no row in the table"]}
 
 
 def test_the_check_sees_lazy_imports_inside_functions(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from ragblend.up import STOP_GRACE_S
+from ragblend.supervisor import STOP_GRACE_S
 from tests.redis_server import ping
 from tests.service_process import REPO_ROOT, free_port, free_port_run, service_env
 
@@ -67,10 +67,11 @@ def test_up_with_a_port_in_use_exits_naming_the_port_and_service(tiny_model, tmp
 
 
 def test_up_without_the_bundled_model_says_how_to_install_it_or_set_another(monkeypatch):
-    from ragblend.up import UpError, resolve_model
+    from ragblend.children import UpError
+    from ragblend.model import resolve_model
 
     monkeypatch.delenv("RAGBLEND_ENGINE_MODEL", raising=False)
-    monkeypatch.setattr("ragblend.up.BUNDLED_MODEL_PACKAGE", "ragblend_no_such_model_package")
+    monkeypatch.setattr("ragblend.model.BUNDLED_MODEL_PACKAGE", "ragblend_no_such_model_package")
     try:
         resolve_model(None)
     except UpError as exc:
@@ -82,7 +83,7 @@ def test_up_without_the_bundled_model_says_how_to_install_it_or_set_another(monk
 
 
 def test_up_by_default_resolves_the_packaged_smollm2_gguf(monkeypatch):
-    from ragblend.up import resolve_model
+    from ragblend.model import resolve_model
 
     monkeypatch.delenv("RAGBLEND_ENGINE_MODEL", raising=False)
     choice = resolve_model(None)
@@ -91,7 +92,7 @@ def test_up_by_default_resolves_the_packaged_smollm2_gguf(monkeypatch):
 
 
 def test_the_bundled_model_runs_in_bfloat16_only_where_the_cpu_computes_it(tmp_path):
-    from ragblend.up import bundled_model_dtype
+    from ragblend.model import bundled_model_dtype
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("flags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile\n")
@@ -368,7 +369,7 @@ def test_up_runs_n_engines_sharing_a_supervised_redis_and_stops_them_all(tiny_mo
 
 
 def test_the_bundled_model_gets_its_measured_frequency_penalty_unless_one_is_set():
-    from ragblend.up import engine_env_for
+    from ragblend.model import engine_env_for
 
     assert engine_env_for({}, bundled=True)["RAGBLEND_ENGINE_FREQUENCY_PENALTY"] == "0.3"
     chosen = {"RAGBLEND_ENGINE_FREQUENCY_PENALTY": "0"}

@@ -1,0 +1,152 @@
+"""Parts 2 and 3 of bench/serving.py: batched decode throughput against the number of sequences,
+and decode step time against context length beside its attention reads alone."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+
+import torch
+import torch.nn.functional as F
+from harness import median_seconds
+
+from engine.engine import Engine
+from engine.layers import LayerRunner
+from engine.runner import ModelRunner
+
+
+def _decode_engine(loaded, store, num_seqs: int, model_len: int) -> Engine:
+    """An engine whose pool holds exactly `num_seqs` slots of `model_len` positions."""
+    need = ModelRunner.pool_bytes(LayerRunner(loaded.model), num_seqs, model_len)
+    return Engine(loaded, store, max_num_seqs=num_seqs, max_model_len=model_len, kv_pool_bytes=need)
+
+
+def decode_step_seconds(
+    engine: Engine, batch: int, context: int, repeats: int
+) -> tuple[float, float]:
+    rng = random.Random(batch)
+    slots, positions = list(range(batch)), [context] * batch
+    tokens = [rng.randrange(1000, 30000) for _ in range(batch)]
+    seconds, spread, _ = median_seconds(
+        lambda: engine.runner.decode(slots, positions, tokens), repeats, engine.device
+    )
+    return seconds, spread
+
+
+def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str]) -> list[dict]:
+    engine = _decode_engine(loaded, store, max(args.decode_batches), args.decode_model_len)
+    rows = []
+    try:
+        notes.append(
+            f"decode: {engine.runner.num_slots} slots x {engine.max_model_len} positions, "
+            f"pool {2 * engine.runner.keys.nbytes / 2**30:.2f} GiB"
+        )
+        for batch in args.decode_batches:
+            if batch > engine.runner.num_slots:
+                print(f"skip batch {batch}: only {engine.runner.num_slots} slots fit")
+                continue
+            seconds, spread = decode_step_seconds(
+                engine, batch, args.decode_context, args.decode_repeats
+            )
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": args.decode_context,
+                    "step_s": seconds,
+                    "stdev_s": spread,
+                    "tokens_per_s": batch / seconds,
+                }
+            )
+            print(f"  decode batch {batch:3d}: {seconds * 1e3:8.2f} ms/step", flush=True)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    for row in rows:
+        row["vs_batch_1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
+def attention_and_copy_seconds(
+    engine: Engine, batch: int, context: int, repeats: int
+) -> tuple[float, float]:
+    """Seconds of the decode step's attention reads alone (every layer, same shapes as the
+    runner's), and of one torch.cat of the context KV per layer (what a cache that grows by
+    concatenation, as transformers' DynamicCache, adds to every token)."""
+    runner = engine.runner
+    shape = engine.layers.shape
+    keys, values = runner.keys, runner.values
+    q = torch.randn(
+        batch,
+        shape.num_kv_heads,
+        runner.group,
+        shape.head_dim,
+        dtype=keys.dtype,
+        device=keys.device,
+    )
+    mask = torch.ones(batch, 1, 1, context + 1, dtype=torch.bool, device=keys.device)
+    new = torch.zeros(
+        batch, shape.num_kv_heads, 1, shape.head_dim, dtype=keys.dtype, device=keys.device
+    )
+
+    @torch.inference_mode()
+    def attention():
+        for i in range(shape.num_layers):
+            F.scaled_dot_product_attention(
+                q,
+                keys[i][:batch, :, : context + 1],
+                values[i][:batch, :, : context + 1],
+                attn_mask=mask,
+                scale=shape.head_dim**-0.5,
+            )
+
+    @torch.inference_mode()
+    def concatenate():
+        for i in range(shape.num_layers):
+            torch.cat([keys[i][:batch, :, :context], new], dim=2)
+            torch.cat([values[i][:batch, :, :context], new], dim=2)
+
+    attn, _, _ = median_seconds(attention, repeats, engine.device)
+    copy, _, _ = median_seconds(concatenate, repeats, engine.device)
+    return attn, copy
+
+
+def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
+    long_context = args.long_context
+    model_len = long_context + 1
+    engine = _decode_engine(loaded, store, max(args.step_batches), model_len)
+    rows = []
+    try:
+        for batch in args.step_batches:
+            for context in (args.short_context, long_context):
+                step, spread = decode_step_seconds(engine, batch, context, args.decode_repeats)
+                attn, copy = attention_and_copy_seconds(engine, batch, context, args.decode_repeats)
+                rows.append(
+                    {
+                        "batch": batch,
+                        "context": context,
+                        "step_s": step,
+                        "stdev_s": spread,
+                        "attention_s": attn,
+                        "step_minus_attention_s": step - attn,
+                        "kv_concat_s": copy,
+                        "kv_bytes_read": 2
+                        * engine.layers.shape.num_layers
+                        * batch
+                        * engine.layers.shape.num_kv_heads
+                        * (context + 1)
+                        * engine.layers.shape.head_dim
+                        * engine.runner.keys.element_size(),
+                    }
+                )
+                print(
+                    f"  step batch {batch:2d} context {context:5d}: {step * 1e3:8.2f} ms, "
+                    f"attention {attn * 1e3:8.2f} ms, concat {copy * 1e3:8.2f} ms",
+                    flush=True,
+                )
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    return rows

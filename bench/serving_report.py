@@ -1,0 +1,219 @@
+"""The output of bench/serving.py: CSV rows, the markdown tables, the TTFT plot, and the same
+rebuilt from the CSVs of an earlier run (`--from-csv`)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from serving_load import Point, sustained_rate
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DOCS = ROOT / "docs"
+
+
+def write_csv(path: Path, rows: list[dict], extra: dict) -> None:
+    if not rows:
+        return
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*extra, *rows[0]])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**extra, **row})
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def point_row(p: Point) -> dict:
+    row = {k: v for k, v in vars(p).items() if k != "ttft_samples"}
+    return row
+
+
+def markdown(
+    points: list[Point],
+    summary: list[dict],
+    decode: list[dict],
+    steps: list[dict],
+    header: list[str],
+) -> str:
+    out = [*header, ""]
+    if summary:
+        out += [
+            "### Serving: TTFT under Poisson load",
+            "",
+            "| mode | scheduler | rate (req/s) | x 1/unloaded TTFT | sent | completed | refused "
+            "| unfinished | TTFT p50 (s) | TTFT p99 (s) | queue p50 (s) | tokens/s "
+            "| mean decode batch | p50 <= 2x unloaded |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
+        for p in points:
+            out.append(
+                f"| {p.mode} | {p.scheduler} | {p.rate:.3f} | {p.rate_fraction:.2f} | {p.sent} "
+                f"| {p.completed} | {p.refused} | {p.unfinished} | {p.ttft_p50_s:.3f} "
+                f"| {p.ttft_p99_s:.3f} | {p.queue_p50_s:.3f} | {p.tokens_per_s:.1f} "
+                f"| {p.mean_decode_batch:.1f} | {'yes' if p.sustained else 'no'} |"
+            )
+        out += [
+            "",
+            "### Highest sustained rate (TTFT p50 <= 2x unloaded TTFT)",
+            "",
+            "| mode | scheduler | unloaded TTFT (s) | unloaded request (s) | sustained rate "
+            "(req/s) | cacheblend / full_prefill |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        by = {(s["mode"], s["scheduler"]): s for s in summary}
+        for s in summary:
+            full = by.get(("full_prefill", s["scheduler"]))
+            ratio = ""
+            if s["mode"] == "cacheblend" and full:
+                ratio = f"{s['sustained_rate'] / full['sustained_rate']:.2f}x"
+            how = "" if s["sustained_how"] == "~" else s["sustained_how"] + " "
+            out.append(
+                f"| {s['mode']} | {s['scheduler']} | {s['unloaded_ttft_s']:.3f} "
+                f"| {s['unloaded_request_s']:.3f} | {how}{s['sustained_rate']:.3f} | {ratio} |"
+            )
+        out += [
+            "",
+            "Sustained rate: interpolated linearly between the last point that meets the bound "
+            "and the first that does not ('>=': every point met it; '<': none did).",
+        ]
+    if decode:
+        out += [
+            "",
+            f"### Decode throughput, context {decode[0]['context']} tokens",
+            "",
+            "| concurrent sequences | step (ms) | tokens/s | vs batch 1 |",
+            "|---:|---:|---:|---:|",
+        ]
+        for r in decode:
+            out.append(
+                f"| {r['batch']} | {r['step_s'] * 1e3:.2f} | {r['tokens_per_s']:.1f} "
+                f"| {r['vs_batch_1']:.2f}x |"
+            )
+    if steps:
+        out += [
+            "",
+            "### Decode step time vs context",
+            "",
+            "| batch | context | step (ms) | attention reads (ms) | step - attention (ms) "
+            "| KV read (MiB) | a per-token KV concat would add (ms) |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in steps:
+            out.append(
+                f"| {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.2f} "
+                f"| {r['attention_s'] * 1e3:.2f} | {r['step_minus_attention_s'] * 1e3:.2f} "
+                f"| {r['kv_bytes_read'] / 2**20:.1f} | {r['kv_concat_s'] * 1e3:.2f} |"
+            )
+        out.append("")
+        for batch in sorted({r["batch"] for r in steps}):
+            short, long = [r for r in steps if r["batch"] == batch]
+            out.append(
+                f"- batch {batch}: step {long['context']}/{short['context']} = "
+                f"{long['step_s'] / short['step_s']:.2f}x; step grew "
+                f"{(long['step_s'] - short['step_s']) * 1e3:.2f} ms, attention reads grew "
+                f"{(long['attention_s'] - short['attention_s']) * 1e3:.2f} ms, the rest "
+                f"(projections, MLP, LM head, mask) changed "
+                f"{(long['step_minus_attention_s'] - short['step_minus_attention_s']) * 1e3:+.2f}"
+                f" ms; a per-token concat of the {long['context']}-token KV would add "
+                f"{long['kv_concat_s'] * 1e3:.2f} ms."
+            )
+    return "\n".join(out) + "\n"
+
+
+def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    colors = {
+        ("full_prefill", "batching"): "tab:red",
+        ("full_prefill", "one-at-a-time"): "tab:orange",
+        ("cacheblend", "batching"): "tab:blue",
+        ("cacheblend", "one-at-a-time"): "tab:cyan",
+    }
+    for ax, key, name in ((axes[0], "ttft_p50_s", "p50"), (axes[1], "ttft_p99_s", "p99")):
+        for (mode, scheduler), color in colors.items():
+            series = sorted(
+                (p for p in points if p.mode == mode and p.scheduler == scheduler),
+                key=lambda p: p.rate,
+            )
+            if not series:
+                continue
+            ax.plot(
+                [p.rate for p in series],
+                [getattr(p, key) for p in series],
+                marker="o",
+                color=color,
+                linestyle="-" if scheduler == "batching" else "--",
+                label=f"{mode}, {scheduler}",
+            )
+        for s in summary:
+            if s["scheduler"] == "batching":
+                color = colors[(s["mode"], "batching")]
+                ax.axhline(2 * s["unloaded_ttft_s"], color=color, linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_title(f"TTFT {name}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("TTFT (s, queueing included)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title + "  (dotted: 2x unloaded TTFT)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def _read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _number(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return {"True": True, "False": False}.get(value, value)
+
+
+def rebuild_from_csv(tag: str) -> None:
+    """Tables and plot from bench/results/serving-<tag>*.csv; the header of the existing .md
+    (everything before the first table) is kept."""
+    drop = ("device", "shape", "dtype")
+    raw = _read_csv(RESULTS / f"serving-{tag}.csv")
+    extra = {k: v for k, v in raw[0].items() if k in drop} if raw else {}
+    rows = [{k: _number(v) for k, v in r.items() if k not in drop} for r in raw]
+    points = [Point(**r) for r in rows]
+    summary = [
+        {k: _number(v) for k, v in r.items() if k not in drop}
+        for r in _read_csv(RESULTS / f"serving-{tag}-summary.csv")
+    ]
+    for s in summary:
+        mine = [p for p in points if p.mode == s["mode"] and p.scheduler == s["scheduler"]]
+        for p in mine:
+            p.sustained = p.ttft_p50_s <= 2 * s["unloaded_ttft_s"] and p.refused == 0
+        s["sustained_rate"], s["sustained_how"] = sustained_rate(mine, s["unloaded_ttft_s"])
+    points.sort(key=lambda p: (p.scheduler != "batching", p.mode != "full_prefill", p.rate))
+    decode, steps = (
+        [
+            {k: _number(v) for k, v in r.items() if k not in drop}
+            for r in _read_csv(RESULTS / f"serving-{tag}-{part}.csv")
+        ]
+        for part in ("decode", "steps")
+    )
+    md = RESULTS / f"serving-{tag}.md"
+    header = md.read_text().split("\n### ")[0].rstrip("\n").split("\n") if md.exists() else []
+    md.write_text(markdown(points, summary, decode, steps, header))
+    print(f"wrote {md.relative_to(ROOT)}")
+    write_csv(RESULTS / f"serving-{tag}-summary.csv", summary, extra)
+    if points:
+        title = " ".join(str(extra.get(k, "")) for k in ("shape", "dtype", "device"))
+        plot(points, summary, DOCS / f"serving-{tag}.png", f"{title}: serving-{tag}.csv")
