@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
+from enum import Enum
 from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
-from engine.types import ChunkOrder, Mode
-from evaluation.options import DEFAULT_MODES, DEFAULT_RATIOS
+from evaluation.options import EvalOptions
+
+# The command always draws its progress bar; only a Python caller of evaluate() turns it off.
+FLAGS = tuple(name for name in EvalOptions.model_fields if name != "progress")
 
 
 def add_parser(subparsers) -> None:
@@ -19,52 +25,60 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0] + " The format and outputs: docs/eval.md.",
     )
     parser.add_argument("dataset", type=Path, help="JSONL: question, passages, answers[, id, kind]")
-    parser.add_argument("--model", required=True, help="checkpoint directory (or cached hub id)")
-    parser.add_argument(
-        "--modes",
-        nargs="+",
-        choices=[m.value for m in Mode],
-        default=[m.value for m in DEFAULT_MODES],
-        help="modes to compare (full_prefill always runs: it is the reference)",
-    )
-    parser.add_argument(
-        "--ratios",
-        nargs="+",
-        type=float,
-        default=list(DEFAULT_RATIOS),
-        help="cacheblend recompute ratios (default %(default)s)",
-    )
-    parser.add_argument(
-        "--retrieval",
-        action="store_true",
-        help="retrieve each question's passages (top-k) instead of using the record's",
-    )
-    parser.add_argument(
-        "--corpus",
-        type=Path,
-        help='with --retrieval: JSONL of {"text": ...} documents '
-        "(default: every record's passages)",
-    )
-    parser.add_argument("--top-k", type=int, default=5, help="passages retrieved per question")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per answer")
-    parser.add_argument(
-        "--teacher-forced-tokens",
-        type=int,
-        default=16,
-        help="tokens of full prefill's greedy answer fed after each setting's KV (1-256)",
-    )
-    parser.add_argument(
-        "--chunk-order",
-        choices=[o.value for o in ChunkOrder],
-        default=ChunkOrder.BEST_FIRST.value,
-        help="best_last: the passages laid out reversed, the first next to the question",
-    )
-    parser.add_argument("--limit", type=int, help="evaluate only the first N records")
+    for name in FLAGS:
+        add_option_flag(parser, name, EvalOptions.model_fields[name])
     parser.add_argument("--out", type=Path, default=Path("eval-results"), help="output folder")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
     parser.set_defaults(run=run)
+
+
+def add_option_flag(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
+    """The flag of one EvalOptions field, defaulting to the field's default (as a flag value):
+    a tuple takes one or more values, an enum or a Literal its choices, a bool is a switch."""
+    flag = "--" + name.replace("_", "-")
+    if info.annotation is bool:
+        switch = "--no-" + flag[2:] if info.default else flag
+        action = "store_false" if info.default else "store_true"
+        parser.add_argument(switch, dest=name, action=action, help=info.description)
+        return
+    options = _value_type(info.annotation)
+    if info.is_required():
+        options["required"] = True
+    else:
+        options["default"] = _flag_value(info.default)
+    parser.add_argument(flag, dest=name, help=_help(info), **options)
+
+
+def _help(info: FieldInfo) -> str | None:
+    """The description, with the default as the services' flags show it (when there is one)."""
+    if info.is_required() or info.default is None:
+        return info.description
+    default = _flag_value(info.default)
+    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+    return f"{info.description} (default {shown})" if info.description else f"(default {shown})"
+
+
+def _value_type(annotation: Any) -> dict[str, Any]:
+    """argparse's `type`, `choices` and `nargs` for a field annotation."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _value_type(args[0])
+    if origin in (Union, types.UnionType):
+        (inner,) = [arg for arg in args if arg is not type(None)]
+        return _value_type(inner)
+    if origin is tuple:
+        return {**_value_type(args[0]), "nargs": "+"}
+    if origin is Literal:
+        return {"choices": list(args)}
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return {"choices": [member.value for member in annotation]}
+    return {"type": annotation}
+
+
+def _flag_value(default: Any) -> Any:
+    """A field default as argparse holds a parsed flag: enums by value, tuples as lists."""
+    if isinstance(default, tuple):
+        return [_flag_value(item) for item in default]
+    return default.value if isinstance(default, Enum) else default
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,23 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from evaluation.report import print_table
 
     try:
-        report = evaluate(
-            args.dataset,
-            args.out,
-            model=args.model,
-            modes=args.modes,
-            ratios=args.ratios,
-            retrieval=args.retrieval,
-            corpus=args.corpus,
-            top_k=args.top_k,
-            max_tokens=args.max_tokens,
-            teacher_forced_tokens=args.teacher_forced_tokens,
-            chunk_order=args.chunk_order,
-            limit=args.limit,
-            device=args.device,
-            dtype=args.dtype,
-            plot=not args.no_plot,
-        )
+        report = evaluate(args.dataset, args.out, **{name: getattr(args, name) for name in FLAGS})
     except ValidationError as exc:
         problems = "; ".join(
             f"--{'-'.join(str(p) for p in e['loc'][:1]).replace('_', '-')}: {e['msg']}"

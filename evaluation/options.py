@@ -17,26 +17,46 @@ Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class EvalOptions(BaseModel):
+    """Each field but `progress` is a flag of `ragblend eval` (evaluation/cli.py), described by
+    its help; a bool that defaults to True is the flag `--no-NAME`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1, description="checkpoint directory (or cached hub id)")
-    modes: tuple[Mode, ...] = Field(DEFAULT_MODES, min_length=1, max_length=len(Mode))
-    ratios: tuple[Ratio, ...] = Field(DEFAULT_RATIOS, min_length=1, max_length=32)
-    retrieval: bool = Field(False, description="passages from an in-process retriever")
-    corpus: Path | None = Field(None, description="JSONL documents to retrieve from")
-    top_k: int = Field(5, ge=1, le=100)
-    max_tokens: int = Field(32, ge=1, le=4096)
+    modes: tuple[Mode, ...] = Field(
+        DEFAULT_MODES,
+        min_length=1,
+        max_length=len(Mode),
+        description="modes to compare (full_prefill always runs: it is the reference)",
+    )
+    ratios: tuple[Ratio, ...] = Field(
+        DEFAULT_RATIOS, min_length=1, max_length=32, description="cacheblend recompute ratios"
+    )
+    retrieval: bool = Field(
+        False,
+        description="retrieve each question's passages (top-k) instead of using the record's",
+    )
+    corpus: Path | None = Field(
+        None,
+        description='with --retrieval: JSONL of {"text": ...} documents '
+        "(default: every record's passages)",
+    )
+    top_k: int = Field(5, ge=1, le=100, description="passages retrieved per question")
+    max_tokens: int = Field(32, ge=1, le=4096, description="tokens generated per answer")
     teacher_forced_tokens: int = Field(
-        16, ge=1, le=256, description="tokens of full prefill's greedy answer fed to each setting"
+        16,
+        ge=1,
+        le=256,
+        description="tokens of full prefill's greedy answer fed after each setting's KV (1-256)",
     )
     chunk_order: ChunkOrder = Field(
         ChunkOrder.BEST_FIRST,
-        description="best_last: the passages (best first) laid out reversed, as the gateway can",
+        description="best_last: the passages laid out reversed, the first next to the question",
     )
     limit: int | None = Field(None, ge=1, description="evaluate only the first N records")
-    device: str = Field("cpu", min_length=1)
+    device: str = Field("cpu", min_length=1, description="cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    plot: bool = True
+    plot: bool = Field(True, description="skip the PNG (no matplotlib)")
     progress: bool = True
 
     @field_validator("corpus")

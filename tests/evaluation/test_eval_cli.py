@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from demo import MODEL_DIR
+from engine.types import ChunkOrder, Mode
+from evaluation.cli import FLAGS
 from evaluation.dataset import Record
+from evaluation.options import EvalOptions
 from ragblend.cli import build_parser
 from tests.service_process import service_env
 
@@ -117,3 +120,41 @@ def test_bad_options_exit_2_naming_the_flag(tmp_path, capsys):
     )
     assert run_cli(str(path), "--model", str(tmp_path / "no-model"), "--no-plot") == 2
     assert "no-model" in capsys.readouterr().err
+
+
+def parsed_options(*argv: str) -> EvalOptions:
+    args = build_parser().parse_args(["eval", "data.jsonl", "--model", "m", *argv])
+    return EvalOptions(**{name: getattr(args, name) for name in FLAGS})
+
+
+def test_every_option_but_progress_is_a_flag_defaulting_to_the_options_default():
+    assert set(FLAGS) == set(EvalOptions.model_fields) - {"progress"}
+    assert parsed_options() == EvalOptions(model="m")
+
+
+def test_the_flags_set_their_options():
+    options = parsed_options(
+        *("--modes", "full_reuse", "cacheblend", "--ratios", "0.1", "1", "--retrieval"),
+        *("--corpus", "docs.jsonl", "--top-k", "3", "--chunk-order", "best_last", "--limit", "2"),
+        *("--dtype", "bfloat16", "--no-plot", "--teacher-forced-tokens", "4"),
+    )
+    assert options.modes == (Mode.FULL_REUSE, Mode.CACHEBLEND) and options.ratios == (0.1, 1.0)
+    assert options.retrieval and options.corpus == Path("docs.jsonl") and options.top_k == 3
+    assert options.chunk_order is ChunkOrder.BEST_LAST and options.limit == 2
+    assert options.dtype == "bfloat16" and not options.plot
+    assert options.teacher_forced_tokens == 4
+
+
+def test_a_choice_outside_the_options_values_is_refused_by_the_parser():
+    for argv in (["--modes", "fast"], ["--chunk-order", "random"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit):
+            parsed_options(*argv)
+
+
+def test_the_help_of_a_flag_is_its_options_description_and_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["eval", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "passages retrieved per question (default 5)" in help_text
+    assert "cacheblend recompute ratios (default 0.05 0.15 0.3 0.5)" in help_text
+    assert "--no-plot skip the PNG (no matplotlib)" in help_text

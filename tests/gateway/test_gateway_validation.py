@@ -103,9 +103,21 @@ def test_lone_surrogates_and_non_finite_numbers_are_a_422(client, path, raw, fie
     assert field in response.json()["detail"]
 
 
-def test_a_seed_of_64_bits_reaches_the_engine(client):
-    response = client.post("/v1/query", json={"question": "Kessa pass?", "seed": 2**63 - 1})
+def sampled_answer(client, seed: int) -> str:
+    """The answer to one question sampled hot (temperature 2) with `seed`."""
+    ask = {"question": "Kessa pass?", "temperature": 2.0, "max_tokens": 8, "seed": seed}
+    response = client.post("/v1/query", json=ask)
     assert response.status_code == 200, response.text
+    return response.json()["answer"]
+
+
+def test_a_seed_of_64_bits_reaches_the_engine(client):
+    seed = 2**63 - 1  # a float on the way would round it and its neighbours to 2**63
+    answer = sampled_answer(client, seed)
+    assert sampled_answer(client, seed) == answer
+    # Neighbours, not seeds 2**32 apart: torch's CPU generator reads only the low 32 bits.
+    others = [sampled_answer(client, seed - k) for k in (1, 2, 3)]
+    assert any(other != answer for other in others), answer
 
 
 def test_an_unparsable_upload_is_the_retrievers_400(client):
