@@ -1,5 +1,5 @@
 """HEALTHCHECK of the ragblend image: finds which service PID 1 runs and its port (flag, env or
-DESIGN.md default), then asks its /health (/ready for `ragblend up`); exit 0 when it is 200."""
+docs/design.md default), then asks its /health (/ready for `ragblend up`); exit 0 when it is 200."""
 
 import os
 import sys
