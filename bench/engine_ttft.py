@@ -69,7 +69,7 @@ def main() -> None:
     def ttft(mode, ratio, tier, bench_engine):
         def run():
             start = time.perf_counter()
-            prefill = bench_engine.prefill_layout(layout, mode, ratio)
+            prefill = bench_engine.prefiller.prefill(layout, mode, ratio)
             int(prefill.output.logits.argmax())  # the first token
             if profile is not None:
                 parts[mode, ratio, tier].append(profile.take(time.perf_counter() - start))

@@ -61,7 +61,7 @@ from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.layers import LayerRunner
 from engine.prompt import PromptLayout
-from engine.runner import ModelRunner
+from engine.runner import pool_bytes
 from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,7 +368,7 @@ def serving(
 
 def _decode_engine(loaded, store, num_seqs: int, model_len: int) -> Engine:
     """An engine whose pool holds exactly `num_seqs` slots of `model_len` positions."""
-    need = ModelRunner.pool_bytes(LayerRunner(loaded.model), num_seqs, model_len)
+    need = pool_bytes(LayerRunner(loaded.model), num_seqs, model_len)
     return Engine(loaded, store, max_num_seqs=num_seqs, max_model_len=model_len, kv_pool_bytes=need)
 
 

@@ -48,6 +48,7 @@ class LayerRunner:
         # The family's own rotate_half keeps RoPE conventions (and any future variant) in one place.
         self._rotate_half = sys.modules[type(attn).__module__].rotate_half
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _sliding_window(self, attn: torch.nn.Module) -> int | None:
         config = self.model.config
@@ -67,11 +68,15 @@ class LayerRunner:
         return self.decoder.embed_tokens(token_ids)
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, D] for positions 0..T-1, from the model's own rotary embedding."""
-        positions = torch.arange(num_positions, device=self.device)[None]
-        probe = torch.empty(1, dtype=self.dtype, device=self.device)
-        cos, sin = self.decoder.rotary_emb(probe, positions)
-        return cos[0], sin[0]
+        """cos, sin: [T, D] for positions 0..T-1, from the model's own rotary embedding: views
+        of tables built once for the most positions asked (the KV pool asks for a whole slot)."""
+        if self._rope is None or self._rope[0].shape[0] < num_positions:
+            positions = torch.arange(num_positions, device=self.device)[None]
+            probe = torch.empty(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.decoder.rotary_emb(probe, positions)
+            self._rope = cos[0], sin[0]
+        cos, sin = self._rope
+        return cos[:num_positions], sin[:num_positions]
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to x [heads, n, D] at the positions whose cos/sin [n, D] are given."""

@@ -12,7 +12,8 @@ import torch
 from engine.blend import PrefillOutput, PrefixKV, run_prefill
 from engine.controller import Controller
 from engine.layers import LayerRunner
-from engine.plan import ChunkSource, PrefillPlan, plan_prefill
+from engine.options import EngineOptions
+from engine.plan import ChunkSource, PrefillPlan, first_streamed_layer, plan_prefill
 from engine.prefix_cache import PrefixCache
 from engine.prompt import PromptLayout
 from engine.selection import Selection
@@ -21,7 +22,7 @@ from engine.types import DEFAULT_RECOMPUTE_RATIO, Blend, LayerTimes, Mode, Usage
 from kvstore.errors import KVStreamError
 from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore
-from kvstore.types import ChunkKV, chunk_key
+from kvstore.types import ChunkKV, chunk_key, kv_token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,20 @@ class RatioChoice:
     full_prefill: bool = False  # the controller found blending slower than a full prefill
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """A layer loop that ran: its choice, plan and output, what the stream found, and the
+    stream it read (`used`) or, in the fallback, left to probe the tiers (`probe`)."""
+
+    choice: RatioChoice
+    plan: PrefillPlan
+    output: PrefillOutput
+    present: list[bool]
+    tiers: list[str | None]
+    used: KVLayerStream | None = None
+    probe: KVLayerStream | None = None
+
+
 class Prefiller:
     """Builds prompt KV caches over one model and one KV store."""
 
@@ -105,6 +120,29 @@ class Prefiller:
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.kv_read_delay_s = kv_read_delay_s
         self.selection = selection
+
+    @classmethod
+    def from_options(
+        cls,
+        runner: LayerRunner,
+        store: KVStore,
+        fingerprint: str,
+        chunk_prefix: tuple[int, ...],
+        options: EngineOptions,
+    ) -> Prefiller:
+        check_layers = options.check_layers_of(runner.shape.num_layers)
+        return cls(
+            runner,
+            store,
+            fingerprint,
+            chunk_prefix,
+            check_layers,
+            Controller(options.min_recompute_ratio, min_leading_layers=check_layers[0]),
+            options.recompute_ratio,
+            PrefixCache(options.prefix_cache_entries, store, fingerprint),
+            options.kv_read_delay_s,
+            options.selection,
+        )
 
     def chunk_key(self, tokens: tuple[int, ...]) -> str:
         return chunk_key(self.fingerprint, tokens)
@@ -143,110 +181,132 @@ class Prefiller:
         `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
         engine has none. A missing chunk is computed in full; a chunk that turns out bad while
         streaming is dropped and the prefill runs again without it, so a bad entry never fails
-        a request. When the controller falls back, only the cached prefix is reused, and the
-        stream opened for blending probes the tiers while the prompt is computed. `opened` is
-        the stream `open_ahead` returned for this prompt (the prefill takes it over and closes
-        it; a retry opens a fresh one).
+        a request. `opened` is the stream `open_ahead` returned for this prompt (the prefill
+        takes it over and closes it; a retry opens a fresh one).
         """
         start = time.perf_counter()
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         reuse = mode is not Mode.FULL_PREFILL
         prefix_kv = self.prefix_cache.get(layout.prefix) if reuse else None
         excluded: set[str] = set()
-        first_layer = self._first_layer(mode, recompute_ratio)
         while True:
-            stream: KVLayerStream | None
-            if opened is not None:
-                stream, opened = opened, None
-            else:
-                stream = self._open(mode, keys, excluded, first_layer)
-            present = stream.present if stream is not None else [False] * len(keys)
-            tiers: list[str | None] = stream.tiers if stream is not None else [None] * len(keys)
+            if opened is None:
+                opened = self._open(mode, keys, excluded, self._first_layer(mode, recompute_ratio))
+            stream, opened = opened, None
             try:
-                choice = self._choose(layout, mode, recompute_ratio, tiers, prefix_kv is not None)
-                used: KVLayerStream | None = None
-                if choice.full_prefill:
-                    # The fallback reuses only the cached prefix. `stream` stays unread but open
-                    # until the compute is done: its loader, already at work, probes the tier
-                    # off the critical path.
-                    plan = plan_prefill(
-                        layout,
-                        Mode.PREFIX_CACHE,
-                        [False] * len(keys),
-                        prefix_kv is not None,
-                        1.0,
-                        choice.check_layers,
-                    )
-                else:
-                    plan = plan_prefill(
-                        layout,
-                        mode,
-                        present,
-                        prefix_kv is not None,
-                        choice.recompute_ratio,
-                        choice.check_layers,
-                        self.selection,
-                    )
-                    used = stream if plan.streamed_chunks else None
-                    if used is not None:
-                        used.skip_to(plan.first_streamed_layer)
-                output = run_prefill(
-                    self.runner, plan, prefix_kv if plan.prefix_cached else None, used, out
-                )
+                attempt = self._attempt(layout, mode, recompute_ratio, prefix_kv, stream, out)
+                break
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
                 # A failure not tied to one entry drops every streamed chunk.
                 excluded.update(keys if exc.key is None else [exc.key])
-                continue
             finally:
                 if stream is not None:
                     stream.close()
-            break
         if reuse and prefix_kv is None:
-            end = plan.prefix_len
+            end, output = attempt.plan.prefix_len, attempt.output
             self.prefix_cache.put(
                 layout.prefix,
                 PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
             )
-        self._observe(
+        self._observe(layout, attempt.output, attempt.probe, attempt.used)
+        return self._report(layout, mode, attempt, start)
+
+    def _attempt(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        requested: float | None,
+        prefix_kv: PrefixKV | None,
+        stream: KVLayerStream | None,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> _Attempt:
+        """One run of the layer loop over what `stream` found; KVStreamError when a streamed
+        entry turns out bad."""
+        num_chunks = len(layout.chunks)
+        present = stream.present if stream is not None else [False] * num_chunks
+        tiers: list[str | None] = stream.tiers if stream is not None else [None] * num_chunks
+        choice = self._choose(layout, mode, requested, tiers, prefix_kv is not None)
+        if choice.full_prefill:
+            return self._fallback(layout, choice, prefix_kv, stream, out, present, tiers)
+        plan = plan_prefill(
             layout,
-            output,
-            stream if choice.full_prefill else None,
-            used,
+            mode,
+            present,
+            prefix_kv is not None,
+            choice.recompute_ratio,
+            choice.check_layers,
+            self.selection,
         )
+        used = stream if plan.streamed_chunks else None
+        if used is not None:
+            used.skip_to(plan.first_streamed_layer)
+        output = run_prefill(
+            self.runner, plan, prefix_kv if plan.prefix_cached else None, used, out
+        )
+        return _Attempt(choice, plan, output, present, tiers, used=used)
+
+    def _fallback(
+        self,
+        layout: PromptLayout,
+        choice: RatioChoice,
+        prefix_kv: PrefixKV | None,
+        stream: KVLayerStream | None,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+        present: list[bool],
+        tiers: list[str | None],
+    ) -> _Attempt:
+        """The controller found blending slower than computing: reuse only the cached prefix.
+        `stream` stays unread but open until the compute is done: its loader, already at work,
+        probes the tiers off the critical path (the controller learns from it)."""
+        plan = plan_prefill(
+            layout,
+            Mode.PREFIX_CACHE,
+            [False] * len(layout.chunks),
+            prefix_kv is not None,
+            1.0,
+            choice.check_layers,
+        )
+        output = run_prefill(
+            self.runner, plan, prefix_kv if plan.prefix_cached else None, None, out
+        )
+        return _Attempt(choice, plan, output, present, tiers, probe=stream)
+
+    def _report(self, layout: PromptLayout, mode: Mode, attempt: _Attempt, start: float) -> Prefill:
+        """The Prefill of the attempt that ran: its blend, missing chunks and timings."""
+        plan, used = attempt.plan, attempt.used
         # Only the blending modes stream every chunk, so only they know which had no KV.
         blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
         missing = [
-            c for c, found in zip(layout.chunks, present, strict=True) if blends and not found
+            c
+            for c, found in zip(layout.chunks, attempt.present, strict=True)
+            if blends and not found
         ]
         blend = Blend(
             plan.recompute_ratio,
             plan.check_layers[0] if plan.check_layers else 0,
-            choice.chosen_by,
-            choice.full_prefill,
+            attempt.choice.chosen_by,
+            attempt.choice.full_prefill,
         )
         return Prefill(
             layout,
             plan,
-            output,
+            attempt.output,
             blend,
             missing,
-            self._timeline(output, used, start),
+            self._timeline(attempt.output, used, start),
             dict(used.stats.bytes_by_tier) if used is not None else {},
-            list(tiers),
+            list(attempt.tiers),
             time.perf_counter() - start,
         )
 
     def _first_layer(self, mode: Mode, requested: float | None) -> int:
         """The lowest layer the plan can read from the stream, known before it is made: the
-        first check layer when cacheblend selects (a ratio above 0: the controller's is at
-        least its floor, and its check layers only move up)."""
-        if mode is not Mode.CACHEBLEND:
-            return 0
+        controller's ratio is at least its floor, and its check layers only move up."""
         ratio = requested if requested is not None else self.recompute_ratio
         if ratio is None:
             ratio = self.controller.min_ratio
-        return self.check_layers[0] if ratio > 0 else 0
+        return first_streamed_layer(ratio if mode is Mode.CACHEBLEND else 0.0, self.check_layers)
 
     def open_ahead(
         self, layout: PromptLayout, mode: Mode, recompute_ratio: float | None = None
@@ -310,7 +370,7 @@ class Prefiller:
         """Bytes of one layer of the chunks' KV per tier they are read from, as the model
         holds it (the unit of the controller's estimates, whatever a tier stores)."""
         shape = self.runner.shape
-        token_bytes = 2 * shape.num_kv_heads * shape.head_dim * self.runner.dtype.itemsize
+        token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, self.runner.dtype)
         layer_bytes: dict[str, int] = {}
         for tokens, tier in zip(chunks, tiers, strict=True):
             if tier is not None:

@@ -1,5 +1,5 @@
-"""The model runner: a KV pool allocated once, prefill into a sequence's slot, and one
-batched decode step for all running sequences.
+"""The model runner: a KV pool sized and allocated once, and one batched decode step for all
+running sequences (prefills write into a slot's view; the blend loop in blend.py runs them).
 
 Pool: keys and values [L, S, H_kv, C, D] for S slots of C positions. A slot's view is the
 prefill's output buffer, and decode writes one position per sequence in place: no per-request
@@ -8,11 +8,71 @@ allocation and no per-token copy of the context.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from engine.layers import LayerRunner
 from engine.penalties import PenaltyState
+from kvstore.types import kv_token_bytes
+
+# Positions per sequence when neither the setting nor the model bounds them.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable (free plus reclaimable cache), or the free pages where /proc is absent."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def slot_length(layers: LayerRunner, requested: int | None) -> int:
+    """Positions per KV slot (`max_model_len`): the setting, within the model's bound."""
+    limit = layers.max_positions or DEFAULT_MAX_MODEL_LEN
+    if requested is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if not 1 <= requested <= limit:
+        raise ValueError(f"max_model_len must be in 1..{limit} (the model's), got {requested}")
+    return requested
+
+
+def pool_bytes(layers: LayerRunner, num_slots: int, slot_tokens: int) -> int:
+    shape = layers.shape
+    token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, layers.dtype, shape.num_layers)
+    return token_bytes * num_slots * slot_tokens
+
+
+def fit_slots(
+    layers: LayerRunner, max_num_seqs: int, slot_tokens: int, budget_bytes: int | None
+) -> int:
+    """How many slots of `slot_tokens` the pool holds: at most `max_num_seqs`, within the budget
+    (default: half the free GPU memory, or a quarter of the available RAM)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    slot_bytes = pool_bytes(layers, 1, slot_tokens)
+    budget = budget_bytes if budget_bytes is not None else _default_pool_bytes(layers.device)
+    num_slots = min(max_num_seqs, budget // slot_bytes)
+    if num_slots < 1:
+        raise ValueError(
+            f"the KV pool of {budget / 2**30:.2f} GiB holds no sequence of max_model_len "
+            f"{slot_tokens} ({slot_bytes / 2**30:.2f} GiB): raise the pool or lower "
+            f"max_model_len"
+        )
+    return num_slots
+
+
+def _default_pool_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return available_ram_bytes() // 4
 
 
 class ModelRunner:
@@ -28,7 +88,7 @@ class ModelRunner:
             self.keys = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
             self.values = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            size = self.pool_bytes(layers, num_slots, slot_tokens) / 2**30
+            size = pool_bytes(layers, num_slots, slot_tokens) / 2**30
             raise ValueError(
                 f"the KV pool of {num_slots} slots x {slot_tokens} positions ({size:.2f} GiB) "
                 f"does not fit on {layers.device}: lower kv_pool_gb, max_num_seqs or max_model_len"
@@ -38,11 +98,17 @@ class ModelRunner:
         vocab_size = layers.model.lm_head.weight.shape[0]  # the width of the logits
         self.penalties = PenaltyState(num_slots, vocab_size, layers.device)
 
-    @staticmethod
-    def pool_bytes(layers: LayerRunner, num_slots: int, slot_tokens: int) -> int:
-        shape = layers.shape
-        per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-        return per_token * layers.dtype.itemsize * num_slots * slot_tokens
+    @classmethod
+    def sized(
+        cls,
+        layers: LayerRunner,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        kv_pool_bytes: int | None,
+    ) -> ModelRunner:
+        """A pool of as many slots as fit (`fit_slots`) of `slot_length(max_model_len)`."""
+        slot_tokens = slot_length(layers, max_model_len)
+        return cls(layers, fit_slots(layers, max_num_seqs, slot_tokens, kv_pool_bytes), slot_tokens)
 
     def slot_kv(self, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [L, H_kv, num_tokens, D] of a slot: where a prefill writes the prompt's KV."""

@@ -34,6 +34,13 @@ def chunk_key(model_fingerprint: str, token_ids: Sequence[int]) -> str:
     return digest.hexdigest()
 
 
+def kv_token_bytes(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_layers: int = 1
+) -> int:
+    """Bytes of one token's keys and values over `num_layers` layers, as the model holds them."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
 @dataclass(frozen=True)
 class ChunkKV:
     """The standalone KV cache of one chunk, every layer.
