@@ -52,7 +52,7 @@ def main() -> None:
     layout = random_layout(engine, args.chunks, args.chunk_tokens, args.question_tokens)
     store_chunks(engine, layout)
     chunk_total = sum(len(c) for c in layout.chunks)
-    profile = LayerProfile(engine.layers, loaded.device) if args.profile else None
+    profile = LayerProfile(engine.ops, loaded.device) if args.profile else None
 
     cases = [
         (mode, None, "memory", engine)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionPlan
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 from engine.plan import ChunkSource, PrefillPlan
 from engine.selection import (
     Selection,
@@ -23,15 +23,7 @@ from engine.selection import (
     selection_budget,
     token_deviation,
 )
-from kvstore.types import LayerStream
-
-
-@dataclass
-class PrefixKV:
-    """Exact post-RoPE KV of a prompt prefix at positions 0..P-1: [L, H_kv, P, D] each."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
+from kvstore.types import ChunkKV, LayerStream
 
 
 @dataclass
@@ -55,9 +47,9 @@ class PrefillOutput:
 
 @torch.inference_mode()
 def run_prefill(
-    runner: LayerRunner,
+    ops: LayerOps,
     plan: PrefillPlan,
-    prefix_kv: PrefixKV | None = None,
+    prefix_kv: ChunkKV | None = None,
     stream: LayerStream | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PrefillOutput:
@@ -68,13 +60,16 @@ def run_prefill(
     the prompt's KV (a KV-pool slot); without it the KV is allocated.
     """
     assert plan.prefix_cached == (prefix_kv is not None)
-    device, shape = runner.device, runner.shape
+    assert prefix_kv is None or prefix_kv.rotated, (
+        "a prefix's keys are used where they were rotated"
+    )
+    device, shape = ops.device, ops.shape
     num_tokens, num_layers = plan.num_tokens, shape.num_layers
-    cos, sin = runner.rope_tables(num_tokens)
+    cos, sin = ops.rope_tables(num_tokens)
     cache_shape = (num_layers, shape.num_kv_heads, num_tokens, shape.head_dim)
     if out is None:
-        keys = torch.empty(cache_shape, dtype=runner.dtype, device=device)
-        values = torch.empty(cache_shape, dtype=runner.dtype, device=device)
+        keys = torch.empty(cache_shape, dtype=ops.dtype, device=device)
+        values = torch.empty(cache_shape, dtype=ops.dtype, device=device)
     else:
         keys, values = out
         assert keys.shape == values.shape == cache_shape, (keys.shape, cache_shape)
@@ -97,8 +92,8 @@ def run_prefill(
     generator = prompt_generator(plan.token_ids) if random_pick else None
 
     positions = sorted(plan.always_computed_positions + (plan.blend_positions if blending else []))
-    computed = _Computed(runner, positions, cos, sin, streamed_spans)
-    h = runner.embed(torch.tensor(plan.token_ids, device=device)[computed.active])
+    computed = _Computed(ops, positions, cos, sin, streamed_spans)
+    h = ops.embed(torch.tensor(plan.token_ids, device=device)[computed.active])
 
     first_needed = plan.first_streamed_layer
     kv_wait_s, layer_computes = 0.0, []
@@ -117,15 +112,15 @@ def run_prefill(
                 continue  # every token of the chunk is computed in this layer: nothing reused
             start, length = streamed_spans[slot]
             end = start + length
-            k_layer[:, start:end] = runner.rotate(k_cached, cos[start:end], sin[start:end])
+            k_layer[:, start:end] = ops.rotate(k_cached, cos[start:end], sin[start:end])
             v_layer[:, start:end] = v_cached
 
         num_computed = h.shape[0]
-        q, k, v = runner.project_qkv(i, h)
+        q, k, v = ops.project_qkv(i, h)
         if pre_rope is not None:
             computed.write(pre_rope[i], k)
-        q = runner.rotate(q, computed.cos, computed.sin)
-        computed.write(k_layer, runner.rotate(k, computed.cos, computed.sin))
+        q = ops.rotate(q, computed.cos, computed.sin)
+        computed.write(k_layer, ops.rotate(k, computed.cos, computed.sin))
         computed.write(v_layer, v)
 
         budget = selection_budget(ratios[i], len(blend_row)) if i in ratios else None
@@ -152,17 +147,17 @@ def run_prefill(
             kept = _indices(keep, device)
             h, q = h[kept], q[:, kept]
             positions = [positions[j] for j in keep]
-            computed = _Computed(runner, positions, cos, sin, streamed_spans)
+            computed = _Computed(ops, positions, cos, sin, streamed_spans)
 
-        attn_out = runner.attend(i, q, k_layer, v_layer, computed.attention)
-        h = runner.finish_layer(i, h, attn_out)
+        attn_out = ops.attend(i, q, k_layer, v_layer, computed.attention)
+        h = ops.finish_layer(i, h, attn_out)
         layer_computes.append(LayerCompute(i, compute_start, time.perf_counter(), num_computed))
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
     return PrefillOutput(
         keys=keys,
         values=values,
-        logits=runner.logits(h[-1]),
+        logits=ops.logits(h[-1]),
         num_selected=sum(p in blend_row for p in positions) if blending else 0,
         kv_wait_s=kv_wait_s,
         layer_computes=layer_computes,
@@ -181,7 +176,7 @@ class _Computed:
 
     def __init__(
         self,
-        runner: LayerRunner,
+        ops: LayerOps,
         positions: list[int],
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -189,7 +184,7 @@ class _Computed:
     ):
         self.active = active = _indices(positions, cos.device)
         self.cos, self.sin = cos[active], sin[active]
-        self.attention: AttentionPlan = runner.attention_plan(positions)
+        self.attention: AttentionPlan = ops.attention_plan(positions)
         starts = [
             i for i in range(len(positions)) if i == 0 or positions[i] != positions[i - 1] + 1
         ]

@@ -16,7 +16,7 @@ from engine.errors import GenerationCancelled
 from engine.estimate import QueueEstimate
 from engine.executor import Executor
 from engine.job import Event, Job, new_job
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 from engine.model import LoadedModel, load_model
 from engine.options import EngineOptions
 from engine.postprocess import Postprocessor
@@ -39,23 +39,23 @@ class Engine:
         self.options = opts = EngineOptions(**options)
         self.loaded, self.store, self.default_penalties = loaded, store, opts.default_penalties
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        self.layers = LayerRunner(self.model)
+        self.ops = LayerOps(self.model)
         system = {"default_system": opts.system_prompt} if opts.system_prompt else {}
         self.prompts = PromptBuilder(self.tokenizer, **system)
         self.prefiller = Prefiller.from_options(
-            self.layers, store, loaded.fingerprint, self.prompts.chunk_prefix, opts
+            self.ops, store, loaded.fingerprint, self.prompts.chunk_prefix, opts
         )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.estimate = QueueEstimate()
         self.runner = ModelRunner.sized(
-            self.layers, opts.max_num_seqs, opts.max_model_len, opts.kv_pool_bytes
+            self.ops, opts.max_num_seqs, opts.max_model_len, opts.kv_pool_bytes
         )
         self.max_model_len = self.runner.slot_tokens
         slots = SlotTable(self.runner.num_slots, self.max_model_len)
         self.scheduler: Scheduler[Job] = Scheduler(slots, opts.max_waiting, opts.max_prefill_tokens)
         self._lock = threading.Lock()  # guards the scheduler between callers and the worker
         self._step_listeners: list[Callable[[StepRecord], None]] = []
-        self.shadow = Shadow(self.layers, opts.shadow)
+        self.shadow = Shadow(self.ops, opts.shadow)
         self.worker = Worker(
             self._step,
             lambda: self.scheduler.has_work,

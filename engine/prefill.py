@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.blend import PrefillOutput, PrefixKV, run_prefill
+from engine.blend import PrefillOutput, run_prefill
 from engine.controller import Controller
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 from engine.options import EngineOptions
 from engine.plan import ChunkSource, PrefillPlan, first_streamed_layer, plan_prefill
 from engine.prefix_cache import PrefixCache
@@ -99,7 +99,7 @@ class Prefiller:
 
     def __init__(
         self,
-        runner: LayerRunner,
+        ops: LayerOps,
         store: KVStore,
         fingerprint: str,
         chunk_prefix: tuple[int, ...],
@@ -110,7 +110,7 @@ class Prefiller:
         kv_read_delay_s: float = 0.0,
         selection: Selection = Selection.HKVD,
     ):
-        self.runner = runner
+        self.ops = ops
         self.store = store
         self.fingerprint = fingerprint
         self.chunk_prefix = chunk_prefix
@@ -124,15 +124,15 @@ class Prefiller:
     @classmethod
     def from_options(
         cls,
-        runner: LayerRunner,
+        ops: LayerOps,
         store: KVStore,
         fingerprint: str,
         chunk_prefix: tuple[int, ...],
         options: EngineOptions,
     ) -> Prefiller:
-        check_layers = options.check_layers_of(runner.shape.num_layers)
+        check_layers = options.check_layers_of(ops.shape.num_layers)
         return cls(
-            runner,
+            ops,
             store,
             fingerprint,
             chunk_prefix,
@@ -160,7 +160,7 @@ class Prefiller:
             check_layers=(),
             keep_pre_rope_keys=True,
         )
-        out = run_prefill(self.runner, plan)
+        out = run_prefill(self.ops, plan)
         assert out.pre_rope_keys is not None
         start = len(boundary)
         return ChunkKV(
@@ -207,7 +207,9 @@ class Prefiller:
             end, output = attempt.plan.prefix_len, attempt.output
             self.prefix_cache.put(
                 layout.prefix,
-                PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
+                ChunkKV(
+                    output.keys[:, :, :end].clone(), output.values[:, :, :end].clone(), rotated=True
+                ),
             )
         self._observe(layout, attempt.output, attempt.probe, attempt.used)
         return self._report(layout, mode, attempt, start)
@@ -217,7 +219,7 @@ class Prefiller:
         layout: PromptLayout,
         mode: Mode,
         requested: float | None,
-        prefix_kv: PrefixKV | None,
+        prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
         out: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> _Attempt:
@@ -241,16 +243,14 @@ class Prefiller:
         used = stream if plan.streamed_chunks else None
         if used is not None:
             used.skip_to(plan.first_streamed_layer)
-        output = run_prefill(
-            self.runner, plan, prefix_kv if plan.prefix_cached else None, used, out
-        )
+        output = run_prefill(self.ops, plan, prefix_kv if plan.prefix_cached else None, used, out)
         return _Attempt(choice, plan, output, present, tiers, used=used)
 
     def _fallback(
         self,
         layout: PromptLayout,
         choice: RatioChoice,
-        prefix_kv: PrefixKV | None,
+        prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
         out: tuple[torch.Tensor, torch.Tensor] | None,
         present: list[bool],
@@ -267,9 +267,7 @@ class Prefiller:
             1.0,
             choice.check_layers,
         )
-        output = run_prefill(
-            self.runner, plan, prefix_kv if plan.prefix_cached else None, None, out
-        )
+        output = run_prefill(self.ops, plan, prefix_kv if plan.prefix_cached else None, None, out)
         return _Attempt(choice, plan, output, present, tiers, probe=stream)
 
     def _report(self, layout: PromptLayout, mode: Mode, attempt: _Attempt, start: float) -> Prefill:
@@ -327,7 +325,7 @@ class Prefiller:
         wanted = [None if key in excluded else key for key in keys]
         return self.store.open_stream(
             wanted,
-            device=self.runner.device,
+            device=self.ops.device,
             read_delay_s=self.kv_read_delay_s,
             first_layer=first_layer,
         )
@@ -348,7 +346,7 @@ class Prefiller:
             return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
         if mode is not Mode.CACHEBLEND or not any(tiers):
             return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
-        num_layers = self.runner.shape.num_layers
+        num_layers = self.ops.shape.num_layers
         # The fallback reuses the cached prefix too: either way the compute to compare with
         # the loads is that of the other tokens.
         computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
@@ -369,8 +367,8 @@ class Prefiller:
     ) -> dict[str, int]:
         """Bytes of one layer of the chunks' KV per tier they are read from, as the model
         holds it (the unit of the controller's estimates, whatever a tier stores)."""
-        shape = self.runner.shape
-        token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, self.runner.dtype)
+        shape = self.ops.shape
+        token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, self.ops.dtype)
         layer_bytes: dict[str, int] = {}
         for tokens, tier in zip(chunks, tiers, strict=True):
             if tier is not None:

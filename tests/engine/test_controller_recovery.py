@@ -123,4 +123,4 @@ def test_the_loader_reads_no_layer_below_the_first_check_layer(
     blended = engine.prefill(ask(chunks, recompute_ratio=0.3))
     assert blended.plan.chunk_sources == (ChunkSource.BLEND,) * 3
     loaded = [e.layer for e in blended.timeline if e.load_start_s is not None]
-    assert loaded == list(range(check_layer, engine.layers.shape.num_layers))
+    assert loaded == list(range(check_layer, engine.ops.shape.num_layers))
