@@ -13,16 +13,17 @@ from engine.blend import PrefillOutput, run_prefill
 from engine.controller import Controller
 from engine.layers import LayerOps
 from engine.options import EngineOptions
-from engine.plan import ChunkSource, PrefillPlan, first_streamed_layer, plan_prefill
+from engine.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.prefix_cache import PrefixCache
 from engine.prompt import PromptLayout
+from engine.ratio import RatioChoice, RatioPolicy
 from engine.selection import Selection
 from engine.timeline import overlap_fraction, total
-from engine.types import DEFAULT_RECOMPUTE_RATIO, Blend, LayerTimes, Mode, Usage
+from engine.types import Blend, LayerTimes, Mode, Usage
 from kvstore.errors import KVStreamError
 from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore
-from kvstore.types import ChunkKV, chunk_key, kv_token_bytes
+from kvstore.types import ChunkKV, chunk_key
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,6 @@ class Prefill:
 
 
 @dataclass(frozen=True)
-class RatioChoice:
-    recompute_ratio: float
-    check_layers: tuple[int, ...]
-    chosen_by: str  # "request", "engine" or "controller"
-    full_prefill: bool = False  # the controller found blending slower than a full prefill
-
-
-@dataclass(frozen=True)
 class _Attempt:
     """A layer loop that ran: its choice, plan and output, what the stream found, and the
     stream it read (`used`) or, in the fallback, left to probe the tiers (`probe`)."""
@@ -114,9 +107,7 @@ class Prefiller:
         self.store = store
         self.fingerprint = fingerprint
         self.chunk_prefix = chunk_prefix
-        self.check_layers = check_layers
-        self.controller = controller
-        self.recompute_ratio = recompute_ratio
+        self.ratios = RatioPolicy(ops, check_layers, controller, recompute_ratio)
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.kv_read_delay_s = kv_read_delay_s
         self.selection = selection
@@ -143,6 +134,10 @@ class Prefiller:
             options.kv_read_delay_s,
             options.selection,
         )
+
+    @property
+    def controller(self) -> Controller:
+        return self.ratios.controller
 
     def chunk_key(self, tokens: tuple[int, ...]) -> str:
         return chunk_key(self.fingerprint, tokens)
@@ -191,7 +186,9 @@ class Prefiller:
         excluded: set[str] = set()
         while True:
             if opened is None:
-                opened = self._open(mode, keys, excluded, self._first_layer(mode, recompute_ratio))
+                opened = self._open(
+                    mode, keys, excluded, self.ratios.first_layer(mode, recompute_ratio)
+                )
             stream, opened = opened, None
             try:
                 attempt = self._attempt(layout, mode, recompute_ratio, prefix_kv, stream, out)
@@ -211,7 +208,7 @@ class Prefiller:
                     output.keys[:, :, :end].clone(), output.values[:, :, :end].clone(), rotated=True
                 ),
             )
-        self._observe(layout, attempt.output, attempt.probe, attempt.used)
+        self.ratios.observe(layout, attempt.output, attempt.probe, attempt.used)
         return self._report(layout, mode, attempt, start)
 
     def _attempt(
@@ -228,7 +225,7 @@ class Prefiller:
         num_chunks = len(layout.chunks)
         present = stream.present if stream is not None else [False] * num_chunks
         tiers: list[str | None] = stream.tiers if stream is not None else [None] * num_chunks
-        choice = self._choose(layout, mode, requested, tiers, prefix_kv is not None)
+        choice = self.ratios.choose(layout, mode, requested, tiers, prefix_kv is not None)
         if choice.full_prefill:
             return self._fallback(layout, choice, prefix_kv, stream, out, present, tiers)
         plan = plan_prefill(
@@ -298,21 +295,13 @@ class Prefiller:
             time.perf_counter() - start,
         )
 
-    def _first_layer(self, mode: Mode, requested: float | None) -> int:
-        """The lowest layer the plan can read from the stream, known before it is made: the
-        controller's ratio is at least its floor, and its check layers only move up."""
-        ratio = requested if requested is not None else self.recompute_ratio
-        if ratio is None:
-            ratio = self.controller.min_ratio
-        return first_streamed_layer(ratio if mode is Mode.CACHEBLEND else 0.0, self.check_layers)
-
     def open_ahead(
         self, layout: PromptLayout, mode: Mode, recompute_ratio: float | None = None
     ) -> KVLayerStream | None:
         """The stream `prefill` would open first for this prompt, opened now: the store's one
         loader reads its first layers while the prompts ahead of it in the step compute."""
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
-        return self._open(mode, keys, set(), self._first_layer(mode, recompute_ratio))
+        return self._open(mode, keys, set(), self.ratios.first_layer(mode, recompute_ratio))
 
     def _open(
         self, mode: Mode, keys: list[str], excluded: set[str], first_layer: int
@@ -328,83 +317,6 @@ class Prefiller:
             device=self.ops.device,
             read_delay_s=self.kv_read_delay_s,
             first_layer=first_layer,
-        )
-
-    def _choose(
-        self,
-        layout: PromptLayout,
-        mode: Mode,
-        requested: float | None,
-        tiers: list[str | None],
-        prefix_cached: bool,
-    ) -> RatioChoice:
-        """The recompute ratio, the check layers and who chose them: the request, the engine's
-        setting, or (neither given, cacheblend, something cached) the controller."""
-        if requested is not None:
-            return RatioChoice(requested, self.check_layers, "request")
-        if self.recompute_ratio is not None:
-            return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
-        if mode is not Mode.CACHEBLEND or not any(tiers):
-            return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
-        num_layers = self.ops.shape.num_layers
-        # The fallback reuses the cached prefix too: either way the compute to compare with
-        # the loads is that of the other tokens.
-        computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
-        decision = self.controller.decide(
-            computed, self._layer_bytes(layout.chunks, tiers), num_layers
-        )
-        shift = decision.leading_layers - self.check_layers[0]
-        checks = tuple(c + shift for c in self.check_layers if c + shift < num_layers)
-        return RatioChoice(
-            decision.recompute_ratio,
-            checks or (decision.leading_layers,),
-            "controller",
-            decision.full_prefill,
-        )
-
-    def _layer_bytes(
-        self, chunks: tuple[tuple[int, ...], ...], tiers: list[str | None]
-    ) -> dict[str, int]:
-        """Bytes of one layer of the chunks' KV per tier they are read from, as the model
-        holds it (the unit of the controller's estimates, whatever a tier stores)."""
-        shape = self.ops.shape
-        token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, self.ops.dtype)
-        layer_bytes: dict[str, int] = {}
-        for tokens, tier in zip(chunks, tiers, strict=True):
-            if tier is not None:
-                layer_bytes[tier] = layer_bytes.get(tier, 0) + token_bytes * len(tokens)
-        return layer_bytes
-
-    def _observe(
-        self,
-        layout: PromptLayout,
-        output: PrefillOutput,
-        probe: KVLayerStream | None,
-        used: KVLayerStream | None,
-    ) -> None:
-        """Feed the controller what this prefill measured: the loader's time per layer of the
-        fallback's probe or of the stream the layer loop read (over every chunk), and the
-        time of the layers computed for every token."""
-        if probe is not None:
-            self._observe_stream(layout.chunks, probe, probe=True)
-        if used is not None:
-            self._observe_stream(layout.chunks, used, probe=False)
-        widest = max((c.num_tokens for c in output.layer_computes), default=0)
-        for c in output.layer_computes:
-            if c.num_tokens == widest:
-                self.controller.observe_compute(c.num_tokens, c.compute_end_s - c.compute_start_s)
-
-    def _observe_stream(
-        self, chunks: tuple[tuple[int, ...], ...], stream: KVLayerStream, probe: bool
-    ) -> None:
-        """The layers a (closed) stream loaded, whether or not they were read."""
-        if not stream.timings:
-            return
-        layers = len(stream.timings)
-        self.controller.observe_load(
-            {t: n * layers for t, n in self._layer_bytes(chunks, stream.tiers).items()},
-            sum(t.load_end_s - t.load_start_s for t in stream.timings),
-            probe,
         )
 
     @staticmethod
