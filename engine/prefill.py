@@ -1,5 +1,5 @@
-"""One prompt's prefill: open the chunk KV streams, plan from what the store really has,
-choose the recompute ratio (in one place), and run the blend layer loop into a KV buffer."""
+"""One prompt's prefill: open the chunk KV streams, plan from what the store really has (the
+ratio from ratio.py), and run the blend layer loop into a KV buffer (again without a bad entry)."""
 
 from __future__ import annotations
 
