@@ -52,7 +52,7 @@ def main() -> None:
     layout = random_layout(engine, args.chunks, args.chunk_tokens, args.question_tokens)
     store_chunks(engine, layout)
     chunk_total = sum(len(c) for c in layout.chunks)
-    profile = LayerProfile(engine.layers, loaded.device) if args.profile else None
+    profile = LayerProfile(engine.ops, loaded.device) if args.profile else None
 
     cases = [
         (mode, None, "memory", engine)
@@ -69,7 +69,7 @@ def main() -> None:
     def ttft(mode, ratio, tier, bench_engine):
         def run():
             start = time.perf_counter()
-            prefill = bench_engine.prefill_layout(layout, mode, ratio)
+            prefill = bench_engine.prefiller.prefill(layout, mode, ratio)
             int(prefill.output.logits.argmax())  # the first token
             if profile is not None:
                 parts[mode, ratio, tier].append(profile.take(time.perf_counter() - start))

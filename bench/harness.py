@@ -154,7 +154,7 @@ def store_chunks(engine: Engine, layout: PromptLayout, fastest_tier: bool = Fals
     """Precompute the layout's chunks into the store (host memory and SSD), or with
     `fastest_tier` into its fastest tier only (the gpu tier when there is one)."""
     for tokens in layout.chunks:
-        kv = engine.compute_chunk_kv(tokens)
+        kv = engine.prefiller.compute_chunk_kv(tokens)
         if fastest_tier:
             engine.store.put_local(engine.chunk_key(tokens), kv)
         else:

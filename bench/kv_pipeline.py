@@ -76,7 +76,7 @@ def main() -> None:
 
     def ttft(engine, mode, ratio):
         def run():
-            prefill = engine.prefill_layout(layout, mode, ratio)
+            prefill = engine.prefiller.prefill(layout, mode, ratio)
             int(prefill.output.logits.argmax())
             return prefill
 

@@ -1,4 +1,4 @@
-"""Where the blend layer loop spends its time: the LayerRunner's parts timed per prefill
+"""Where the blend layer loop spends its time: the LayerOps's parts timed per prefill
 (projections, RoPE, attention, output projection + MLP); the rest is KV assembly and selection."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 
-# LayerRunner method -> the part of the layer loop it is.
+# LayerOps method -> the part of the layer loop it is.
 PARTS = {
     "project_qkv": "qkv proj",
     "rotate": "rope",
@@ -21,12 +21,12 @@ PARTS = {
 
 
 class LayerProfile:
-    """Wraps one LayerRunner's parts with timers; `take()` returns and resets the seconds."""
+    """Wraps one LayerOps's parts with timers; `take()` returns and resets the seconds."""
 
-    def __init__(self, runner: LayerRunner, device: torch.device):
+    def __init__(self, ops: LayerOps, device: torch.device):
         self.seconds: dict[str, float] = defaultdict(float)
         for method, part in PARTS.items():
-            setattr(runner, method, self._timed(getattr(runner, method), part, device))
+            setattr(ops, method, self._timed(getattr(ops, method), part, device))
 
     def _timed(self, method: Callable, part: str, device: torch.device) -> Callable:
         def run(*args, **kwargs):

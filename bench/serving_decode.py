@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from harness import median_seconds
 
 from engine.engine import Engine
-from engine.layers import LayerRunner
-from engine.runner import ModelRunner
+from engine.layers import LayerOps
+from engine.runner import pool_bytes
 
 
 def _decode_engine(loaded, store, num_seqs: int, model_len: int) -> Engine:
     """An engine whose pool holds exactly `num_seqs` slots of `model_len` positions."""
-    need = ModelRunner.pool_bytes(LayerRunner(loaded.model), num_seqs, model_len)
+    need = pool_bytes(LayerOps(loaded.model), num_seqs, model_len)
     return Engine(loaded, store, max_num_seqs=num_seqs, max_model_len=model_len, kv_pool_bytes=need)
 
 
@@ -75,7 +75,7 @@ def attention_and_copy_seconds(
     runner's), and of one torch.cat of the context KV per layer (what a cache that grows by
     concatenation, as transformers' DynamicCache, adds to every token)."""
     runner = engine.runner
-    shape = engine.layers.shape
+    shape = engine.ops.shape
     keys, values = runner.keys, runner.values
     q = torch.randn(
         batch,
@@ -132,11 +132,11 @@ def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
                         "step_minus_attention_s": step - attn,
                         "kv_concat_s": copy,
                         "kv_bytes_read": 2
-                        * engine.layers.shape.num_layers
+                        * engine.ops.shape.num_layers
                         * batch
-                        * engine.layers.shape.num_kv_heads
+                        * engine.ops.shape.num_kv_heads
                         * (context + 1)
-                        * engine.layers.shape.head_dim
+                        * engine.ops.shape.head_dim
                         * engine.runner.keys.element_size(),
                     }
                 )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionPlan
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 from engine.plan import ChunkSource, PrefillPlan
 from engine.selection import (
     Selection,
@@ -23,15 +23,7 @@ from engine.selection import (
     selection_budget,
     token_deviation,
 )
-from kvstore.types import LayerStream
-
-
-@dataclass
-class PrefixKV:
-    """Exact post-RoPE KV of a prompt prefix at positions 0..P-1: [L, H_kv, P, D] each."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
+from kvstore.types import ChunkKV, LayerStream
 
 
 @dataclass
@@ -55,9 +47,9 @@ class PrefillOutput:
 
 @torch.inference_mode()
 def run_prefill(
-    runner: LayerRunner,
+    ops: LayerOps,
     plan: PrefillPlan,
-    prefix_kv: PrefixKV | None = None,
+    prefix_kv: ChunkKV | None = None,
     stream: LayerStream | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PrefillOutput:
@@ -68,13 +60,16 @@ def run_prefill(
     the prompt's KV (a KV-pool slot); without it the KV is allocated.
     """
     assert plan.prefix_cached == (prefix_kv is not None)
-    device, shape = runner.device, runner.shape
+    assert prefix_kv is None or prefix_kv.rotated, (
+        "a prefix's keys are used where they were rotated"
+    )
+    device, shape = ops.device, ops.shape
     num_tokens, num_layers = plan.num_tokens, shape.num_layers
-    cos, sin = runner.rope_tables(num_tokens)
+    cos, sin = ops.rope_tables(num_tokens)
     cache_shape = (num_layers, shape.num_kv_heads, num_tokens, shape.head_dim)
     if out is None:
-        keys = torch.empty(cache_shape, dtype=runner.dtype, device=device)
-        values = torch.empty(cache_shape, dtype=runner.dtype, device=device)
+        keys = torch.empty(cache_shape, dtype=ops.dtype, device=device)
+        values = torch.empty(cache_shape, dtype=ops.dtype, device=device)
     else:
         keys, values = out
         assert keys.shape == values.shape == cache_shape, (keys.shape, cache_shape)
@@ -86,20 +81,19 @@ def run_prefill(
         for slot, j in enumerate(plan.streamed_chunks)
         if plan.chunk_sources[j] is ChunkSource.BLEND
     ]
-    blend_positions = torch.tensor(plan.blend_positions, dtype=torch.long, device=device)
-    blending = plan.recompute_ratio > 0 and blend_positions.numel() > 0
+    # Which positions each layer computes is tracked on the host: the attention plan is built
+    # there, and reading a mask back from the device would wait for every queued kernel.
+    blend_row = {p: row for row, p in enumerate(plan.blend_positions)}
+    blending = plan.recompute_ratio > 0 and bool(blend_row)
     checks = sorted(set(plan.check_layers)) if blending else []
     ratios = dict(zip(checks, ratio_schedule(plan.recompute_ratio, len(checks)), strict=True))
     # The random baseline draws from the tokens still selected, so narrowing stays nested.
     random_pick = blending and plan.selection is Selection.RANDOM
     generator = prompt_generator(plan.token_ids) if random_pick else None
 
-    active = torch.tensor(plan.always_computed_positions, dtype=torch.long, device=device)
-    if blending:
-        active = torch.cat([active, blend_positions]).sort().values
-    is_blend = torch.isin(active, blend_positions)
-    computed = _Computed(runner, active, cos, sin, streamed_spans)
-    h = runner.embed(torch.tensor(plan.token_ids, device=device)[active])
+    positions = sorted(plan.always_computed_positions + (plan.blend_positions if blending else []))
+    computed = _Computed(ops, positions, cos, sin, streamed_spans)
+    h = ops.embed(torch.tensor(plan.token_ids, device=device)[computed.active])
 
     first_needed = plan.first_streamed_layer
     kv_wait_s, layer_computes = 0.0, []
@@ -118,48 +112,53 @@ def run_prefill(
                 continue  # every token of the chunk is computed in this layer: nothing reused
             start, length = streamed_spans[slot]
             end = start + length
-            k_layer[:, start:end] = runner.rotate(k_cached, cos[start:end], sin[start:end])
+            k_layer[:, start:end] = ops.rotate(k_cached, cos[start:end], sin[start:end])
             v_layer[:, start:end] = v_cached
 
         num_computed = h.shape[0]
-        q, k, v = runner.project_qkv(i, h)
+        q, k, v = ops.project_qkv(i, h)
         if pre_rope is not None:
             computed.write(pre_rope[i], k)
-        q = runner.rotate(q, computed.cos, computed.sin)
-        computed.write(k_layer, runner.rotate(k, computed.cos, computed.sin))
+        q = ops.rotate(q, computed.cos, computed.sin)
+        computed.write(k_layer, ops.rotate(k, computed.cos, computed.sin))
         computed.write(v_layer, v)
 
-        budget = selection_budget(ratios[i], blend_positions.numel()) if i in ratios else None
-        # Counted at check layers only: on CUDA, int() waits for the device.
-        num_candidates = int(is_blend.sum()) if budget is not None else 0
+        budget = selection_budget(ratios[i], len(blend_row)) if i in ratios else None
+        candidates = (
+            [j for j, p in enumerate(positions) if p in blend_row] if budget is not None else []
+        )
         # A budget that keeps every candidate selects them all: HKVD needs no deviation then
         # (the random baseline still draws, so its generator stays where later checks expect).
-        if budget is not None and (budget < num_candidates or generator is not None):
+        if budget is not None and (budget < len(candidates) or generator is not None):
             if generator is not None:
-                chosen = select_random(num_candidates, budget, generator).to(device)
+                chosen = select_random(len(candidates), budget, generator)
             else:
                 cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
                 cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
-                rows = torch.searchsorted(blend_positions, active[is_blend])
+                rows = _indices([blend_row[positions[j]] for j in candidates], device)
+                picked = _indices(candidates, device)
                 deviation = token_deviation(
-                    k[:, is_blend], cached_k[:, rows], v[:, is_blend], cached_v[:, rows]
+                    k[:, picked], cached_k[:, rows], v[:, picked], cached_v[:, rows]
                 )
                 chosen = select_top(deviation, budget)
-            keep = ~is_blend
-            keep[is_blend.nonzero()[chosen, 0]] = True
-            active, is_blend, h, q = active[keep], is_blend[keep], h[keep], q[:, keep]
-            computed = _Computed(runner, active, cos, sin, streamed_spans)
+            # The one read-back of a check layer: which tokens were selected.
+            dropped = set(candidates) - {candidates[c] for c in chosen.tolist()}
+            keep = [j for j in range(len(positions)) if j not in dropped]
+            kept = _indices(keep, device)
+            h, q = h[kept], q[:, kept]
+            positions = [positions[j] for j in keep]
+            computed = _Computed(ops, positions, cos, sin, streamed_spans)
 
-        attn_out = runner.attend(i, q, k_layer, v_layer, computed.attention)
-        h = runner.finish_layer(i, h, attn_out)
+        attn_out = ops.attend(i, q, k_layer, v_layer, computed.attention)
+        h = ops.finish_layer(i, h, attn_out)
         layer_computes.append(LayerCompute(i, compute_start, time.perf_counter(), num_computed))
 
-    assert int(active[-1]) == num_tokens - 1, "the last prompt position is always computed"
+    assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
     return PrefillOutput(
         keys=keys,
         values=values,
-        logits=runner.logits(h[-1]),
-        num_selected=int(is_blend.sum()) if blending else 0,
+        logits=ops.logits(h[-1]),
+        num_selected=sum(p in blend_row for p in positions) if blending else 0,
         kv_wait_s=kv_wait_s,
         layer_computes=layer_computes,
         pre_rope_keys=pre_rope,
@@ -177,25 +176,25 @@ class _Computed:
 
     def __init__(
         self,
-        runner: LayerRunner,
-        active: torch.Tensor,
+        ops: LayerOps,
+        positions: list[int],
         cos: torch.Tensor,
         sin: torch.Tensor,
         streamed_spans: list[tuple[int, int]],
     ):
-        positions = active.tolist()
-        self.active = active
+        self.active = active = _indices(positions, cos.device)
         self.cos, self.sin = cos[active], sin[active]
-        self.attention: AttentionPlan = runner.attention_plan(positions)
+        self.attention: AttentionPlan = ops.attention_plan(positions)
         starts = [
             i for i in range(len(positions)) if i == 0 or positions[i] != positions[i - 1] + 1
         ]
         self.runs = [
             (s, e, positions[s]) for s, e in zip(starts, [*starts[1:], len(positions)], strict=True)
         ]
-        flags = torch.zeros(int(cos.shape[0]), dtype=torch.bool)
-        flags[active.cpu()] = True
-        self.covers_chunk = [bool(flags[s : s + n].all()) for s, n in streamed_spans]
+        flags = bytearray(int(cos.shape[0]))
+        for p in positions:
+            flags[p] = 1
+        self.covers_chunk = [all(flags[s : s + n]) for s, n in streamed_spans]
 
     def write(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
         """cache[:, active] = rows, for a cache [H_kv, T, D] and rows [H_kv, n, D]."""
@@ -204,3 +203,8 @@ class _Computed:
             return
         for start, end, position in self.runs:
             cache[:, position : position + end - start] = rows[:, start:end]
+
+
+def _indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on `device` (indexing by it, unlike by a mask, needs no read-back)."""
+    return torch.tensor(values, dtype=torch.long, device=device)

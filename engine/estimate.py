@@ -3,6 +3,11 @@ and the measured speed of recent steps. Plain Python on counts, testable without
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.scheduler import Scheduler
+
 # Weight of the newest step in the running averages: recent load counts, one outlier fades.
 SMOOTHING = 0.2
 
@@ -21,6 +26,15 @@ class QueueEstimate:
     def __init__(self) -> None:
         self.prefill_tokens_per_s: float | None = None
         self.decode_step_s: float | None = None
+
+    def wait_for(self, scheduler: Scheduler) -> float:
+        """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
+        return self.wait_s(
+            waiting_tokens=sum(seq.num_prompt_tokens for seq in scheduler.waiting),
+            waiting_seqs=len(scheduler.waiting),
+            running_remaining=[s.max_tokens - s.num_output_tokens for s in scheduler.running],
+            free_slots=scheduler.slots.num_free,
+        )
 
     def observe(self, is_prefill: bool, num_tokens: int, seconds: float) -> None:
         if seconds <= 0.0:

@@ -25,7 +25,7 @@ class AttentionShape:
     hidden_size: int
 
 
-class LayerRunner:
+class LayerOps:
     """Runs embedding, decoder layers and the LM head of one loaded model on token subsets.
 
     Shapes: hidden h [n, d]; q [H, n, D]; k, v [H_kv, n, D]; caches [H_kv, T, D].
@@ -34,20 +34,21 @@ class LayerRunner:
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.decoder = model.model
-        self.layers = list(self.decoder.layers)
+        self.blocks = list(self.decoder.layers)
         config = model.config
-        attn = self.layers[0].self_attn
+        attn = self.blocks[0].self_attn
         self.shape = AttentionShape(
-            num_layers=len(self.layers),
+            num_layers=len(self.blocks),
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=attn.head_dim,
             hidden_size=config.hidden_size,
         )
-        self.windows = [self._sliding_window(layer.self_attn) for layer in self.layers]
+        self.windows = [self._sliding_window(layer.self_attn) for layer in self.blocks]
         # The family's own rotate_half keeps RoPE conventions (and any future variant) in one place.
         self._rotate_half = sys.modules[type(attn).__module__].rotate_half
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _sliding_window(self, attn: torch.nn.Module) -> int | None:
         config = self.model.config
@@ -67,11 +68,15 @@ class LayerRunner:
         return self.decoder.embed_tokens(token_ids)
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, D] for positions 0..T-1, from the model's own rotary embedding."""
-        positions = torch.arange(num_positions, device=self.device)[None]
-        probe = torch.empty(1, dtype=self.dtype, device=self.device)
-        cos, sin = self.decoder.rotary_emb(probe, positions)
-        return cos[0], sin[0]
+        """cos, sin: [T, D] for positions 0..T-1, from the model's own rotary embedding: views
+        of tables built once for the most positions asked (the KV pool asks for a whole slot)."""
+        if self._rope is None or self._rope[0].shape[0] < num_positions:
+            positions = torch.arange(num_positions, device=self.device)[None]
+            probe = torch.empty(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.decoder.rotary_emb(probe, positions)
+            self._rope = cos[0], sin[0]
+        cos, sin = self._rope
+        return cos[:num_positions], sin[:num_positions]
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to x [heads, n, D] at the positions whose cos/sin [n, D] are given."""
@@ -81,7 +86,7 @@ class LayerRunner:
         self, index: int, h: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [H, n, D], pre-RoPE k [H_kv, n, D] and v [H_kv, n, D] of layer `index`."""
-        layer = self.layers[index]
+        layer = self.blocks[index]
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         n, head_dim = x.shape[0], self.shape.head_dim
@@ -110,7 +115,7 @@ class LayerRunner:
         positions <= p (and inside the sliding window, if the layer has one).
         """
         window = self.windows[index]
-        scale = self.layers[index].self_attn.scaling
+        scale = self.blocks[index].self_attn.scaling
         parts = []
         for span in plan.spans:
             if span.causal and (window is None or span.key_end <= window):
@@ -158,7 +163,7 @@ class LayerRunner:
 
     def finish_layer(self, index: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP block of layer `index`."""
-        layer = self.layers[index]
+        layer = self.blocks[index]
         h = h + layer.self_attn.o_proj(attn_out)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -39,6 +39,13 @@ class LoadedModel:
     dtype: torch.dtype
     path: str
 
+    @property
+    def name(self) -> str:
+        """The model as configured, a checkpoint directory reduced to its name (no path)."""
+        return (
+            os.path.basename(os.path.normpath(self.path)) if os.path.isdir(self.path) else self.path
+        )
+
 
 def parse_dtype(name: str) -> torch.dtype:
     try:

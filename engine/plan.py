@@ -42,13 +42,9 @@ class PrefillPlan:
 
     @property
     def first_streamed_layer(self) -> int:
-        """The first layer whose chunk KV the blend loop reads. Before the first check layer
-        every blended token is recomputed, so its cached KV is not needed there, unless the
-        plan does not select (ratio 0, nothing to blend)."""
-        selects = self.recompute_ratio > 0 and self.count_tokens(ChunkSource.BLEND) > 0
-        if not selects or not self.check_layers:
-            return 0
-        return min(self.check_layers)
+        """The first layer whose chunk KV the blend loop reads (`first_streamed_layer`)."""
+        blends = self.count_tokens(ChunkSource.BLEND) > 0
+        return first_streamed_layer(self.recompute_ratio if blends else 0.0, self.check_layers)
 
     @property
     def blend_positions(self) -> list[int]:
@@ -79,6 +75,13 @@ class PrefillPlan:
 
     def count_tokens(self, source: ChunkSource) -> int:
         return len(self._positions(source))
+
+
+def first_streamed_layer(recompute_ratio: float, check_layers: tuple[int, ...]) -> int:
+    """The first layer whose chunk KV a blend reads. Before the first check layer every blended
+    token is recomputed, so its cached KV is not needed there, unless nothing is selected
+    (ratio 0: nothing is recomputed, every layer reads the cache)."""
+    return min(check_layers) if recompute_ratio > 0 and check_layers else 0
 
 
 def plan_prefill(

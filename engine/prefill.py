@@ -1,5 +1,5 @@
-"""One prompt's prefill: open the chunk KV streams, plan from what the store really has,
-choose the recompute ratio (in one place), and run the blend layer loop into a KV buffer."""
+"""One prompt's prefill: open the chunk KV streams, plan from what the store really has (the
+ratio from ratio.py), and run the blend layer loop into a KV buffer (again without a bad entry)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.blend import PrefillOutput, PrefixKV, run_prefill
+from engine.blend import PrefillOutput, run_prefill
 from engine.controller import Controller
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
+from engine.options import EngineOptions
 from engine.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.prefix_cache import PrefixCache
 from engine.prompt import PromptLayout
+from engine.ratio import RatioChoice, RatioPolicy
 from engine.selection import Selection
 from engine.timeline import overlap_fraction, total
-from engine.types import DEFAULT_RECOMPUTE_RATIO, Blend, LayerTimes, Mode, Usage
+from engine.types import Blend, LayerTimes, Mode, Usage
 from kvstore.errors import KVStreamError
 from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore
@@ -72,11 +74,17 @@ class Prefill:
 
 
 @dataclass(frozen=True)
-class RatioChoice:
-    recompute_ratio: float
-    check_layers: tuple[int, ...]
-    chosen_by: str  # "request", "engine" or "controller"
-    full_prefill: bool = False  # the controller found blending slower than a full prefill
+class _Attempt:
+    """A layer loop that ran: its choice, plan and output, what the stream found, and the
+    stream it read (`used`) or, in the fallback, left to probe the tiers (`probe`)."""
+
+    choice: RatioChoice
+    plan: PrefillPlan
+    output: PrefillOutput
+    present: list[bool]
+    tiers: list[str | None]
+    used: KVLayerStream | None = None
+    probe: KVLayerStream | None = None
 
 
 class Prefiller:
@@ -84,7 +92,7 @@ class Prefiller:
 
     def __init__(
         self,
-        runner: LayerRunner,
+        ops: LayerOps,
         store: KVStore,
         fingerprint: str,
         chunk_prefix: tuple[int, ...],
@@ -95,16 +103,41 @@ class Prefiller:
         kv_read_delay_s: float = 0.0,
         selection: Selection = Selection.HKVD,
     ):
-        self.runner = runner
+        self.ops = ops
         self.store = store
         self.fingerprint = fingerprint
         self.chunk_prefix = chunk_prefix
-        self.check_layers = check_layers
-        self.controller = controller
-        self.recompute_ratio = recompute_ratio
+        self.ratios = RatioPolicy(ops, check_layers, controller, recompute_ratio)
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.kv_read_delay_s = kv_read_delay_s
         self.selection = selection
+
+    @classmethod
+    def from_options(
+        cls,
+        ops: LayerOps,
+        store: KVStore,
+        fingerprint: str,
+        chunk_prefix: tuple[int, ...],
+        options: EngineOptions,
+    ) -> Prefiller:
+        check_layers = options.check_layers_of(ops.shape.num_layers)
+        return cls(
+            ops,
+            store,
+            fingerprint,
+            chunk_prefix,
+            check_layers,
+            Controller(options.min_recompute_ratio, min_leading_layers=check_layers[0]),
+            options.recompute_ratio,
+            PrefixCache(options.prefix_cache_entries, store, fingerprint),
+            options.kv_read_delay_s,
+            options.selection,
+        )
+
+    @property
+    def controller(self) -> Controller:
+        return self.ratios.controller
 
     def chunk_key(self, tokens: tuple[int, ...]) -> str:
         return chunk_key(self.fingerprint, tokens)
@@ -122,7 +155,7 @@ class Prefiller:
             check_layers=(),
             keep_pre_rope_keys=True,
         )
-        out = run_prefill(self.runner, plan)
+        out = run_prefill(self.ops, plan)
         assert out.pre_rope_keys is not None
         start = len(boundary)
         return ChunkKV(
@@ -143,110 +176,124 @@ class Prefiller:
         `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
         engine has none. A missing chunk is computed in full; a chunk that turns out bad while
         streaming is dropped and the prefill runs again without it, so a bad entry never fails
-        a request. When the controller falls back, only the cached prefix is reused, and the
-        stream opened for blending probes the tiers while the prompt is computed. `opened` is
-        the stream `open_ahead` returned for this prompt (the prefill takes it over and closes
-        it; a retry opens a fresh one).
+        a request. `opened` is the stream `open_ahead` returned for this prompt (the prefill
+        takes it over and closes it; a retry opens a fresh one).
         """
         start = time.perf_counter()
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         reuse = mode is not Mode.FULL_PREFILL
         prefix_kv = self.prefix_cache.get(layout.prefix) if reuse else None
         excluded: set[str] = set()
-        first_layer = self._first_layer(mode, recompute_ratio)
         while True:
-            stream: KVLayerStream | None
-            if opened is not None:
-                stream, opened = opened, None
-            else:
-                stream = self._open(mode, keys, excluded, first_layer)
-            present = stream.present if stream is not None else [False] * len(keys)
-            tiers: list[str | None] = stream.tiers if stream is not None else [None] * len(keys)
-            try:
-                choice = self._choose(layout, mode, recompute_ratio, tiers, prefix_kv is not None)
-                used: KVLayerStream | None = None
-                if choice.full_prefill:
-                    # The fallback reuses only the cached prefix. `stream` stays unread but open
-                    # until the compute is done: its loader, already at work, probes the tier
-                    # off the critical path.
-                    plan = plan_prefill(
-                        layout,
-                        Mode.PREFIX_CACHE,
-                        [False] * len(keys),
-                        prefix_kv is not None,
-                        1.0,
-                        choice.check_layers,
-                    )
-                else:
-                    plan = plan_prefill(
-                        layout,
-                        mode,
-                        present,
-                        prefix_kv is not None,
-                        choice.recompute_ratio,
-                        choice.check_layers,
-                        self.selection,
-                    )
-                    used = stream if plan.streamed_chunks else None
-                    if used is not None:
-                        used.skip_to(plan.first_streamed_layer)
-                output = run_prefill(
-                    self.runner, plan, prefix_kv if plan.prefix_cached else None, used, out
+            if opened is None:
+                opened = self._open(
+                    mode, keys, excluded, self.ratios.first_layer(mode, recompute_ratio)
                 )
+            stream, opened = opened, None
+            try:
+                attempt = self._attempt(layout, mode, recompute_ratio, prefix_kv, stream, out)
+                break
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
                 # A failure not tied to one entry drops every streamed chunk.
                 excluded.update(keys if exc.key is None else [exc.key])
-                continue
             finally:
                 if stream is not None:
                     stream.close()
-            break
         if reuse and prefix_kv is None:
-            end = plan.prefix_len
+            end, output = attempt.plan.prefix_len, attempt.output
             self.prefix_cache.put(
                 layout.prefix,
-                PrefixKV(output.keys[:, :, :end].clone(), output.values[:, :, :end].clone()),
+                ChunkKV(
+                    output.keys[:, :, :end].clone(), output.values[:, :, :end].clone(), rotated=True
+                ),
             )
-        self._observe(
+        self.ratios.observe(layout, attempt.output, attempt.probe, attempt.used)
+        return self._report(layout, mode, attempt, start)
+
+    def _attempt(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        requested: float | None,
+        prefix_kv: ChunkKV | None,
+        stream: KVLayerStream | None,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> _Attempt:
+        """One run of the layer loop over what `stream` found; KVStreamError when a streamed
+        entry turns out bad."""
+        num_chunks = len(layout.chunks)
+        present = stream.present if stream is not None else [False] * num_chunks
+        tiers: list[str | None] = stream.tiers if stream is not None else [None] * num_chunks
+        choice = self.ratios.choose(layout, mode, requested, tiers, prefix_kv is not None)
+        if choice.full_prefill:
+            return self._fallback(layout, choice, prefix_kv, stream, out, present, tiers)
+        plan = plan_prefill(
             layout,
-            output,
-            stream if choice.full_prefill else None,
-            used,
+            mode,
+            present,
+            prefix_kv is not None,
+            choice.recompute_ratio,
+            choice.check_layers,
+            self.selection,
         )
+        used = stream if plan.streamed_chunks else None
+        if used is not None:
+            used.skip_to(plan.first_streamed_layer)
+        output = run_prefill(self.ops, plan, prefix_kv if plan.prefix_cached else None, used, out)
+        return _Attempt(choice, plan, output, present, tiers, used=used)
+
+    def _fallback(
+        self,
+        layout: PromptLayout,
+        choice: RatioChoice,
+        prefix_kv: ChunkKV | None,
+        stream: KVLayerStream | None,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+        present: list[bool],
+        tiers: list[str | None],
+    ) -> _Attempt:
+        """The controller found blending slower than computing: reuse only the cached prefix.
+        `stream` stays unread but open until the compute is done: its loader, already at work,
+        probes the tiers off the critical path (the controller learns from it)."""
+        plan = plan_prefill(
+            layout,
+            Mode.PREFIX_CACHE,
+            [False] * len(layout.chunks),
+            prefix_kv is not None,
+            1.0,
+            choice.check_layers,
+        )
+        output = run_prefill(self.ops, plan, prefix_kv if plan.prefix_cached else None, None, out)
+        return _Attempt(choice, plan, output, present, tiers, probe=stream)
+
+    def _report(self, layout: PromptLayout, mode: Mode, attempt: _Attempt, start: float) -> Prefill:
+        """The Prefill of the attempt that ran: its blend, missing chunks and timings."""
+        plan, used = attempt.plan, attempt.used
         # Only the blending modes stream every chunk, so only they know which had no KV.
         blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
         missing = [
-            c for c, found in zip(layout.chunks, present, strict=True) if blends and not found
+            c
+            for c, found in zip(layout.chunks, attempt.present, strict=True)
+            if blends and not found
         ]
         blend = Blend(
             plan.recompute_ratio,
             plan.check_layers[0] if plan.check_layers else 0,
-            choice.chosen_by,
-            choice.full_prefill,
+            attempt.choice.chosen_by,
+            attempt.choice.full_prefill,
         )
         return Prefill(
             layout,
             plan,
-            output,
+            attempt.output,
             blend,
             missing,
-            self._timeline(output, used, start),
+            self._timeline(attempt.output, used, start),
             dict(used.stats.bytes_by_tier) if used is not None else {},
-            list(tiers),
+            list(attempt.tiers),
             time.perf_counter() - start,
         )
-
-    def _first_layer(self, mode: Mode, requested: float | None) -> int:
-        """The lowest layer the plan can read from the stream, known before it is made: the
-        first check layer when cacheblend selects (a ratio above 0: the controller's is at
-        least its floor, and its check layers only move up)."""
-        if mode is not Mode.CACHEBLEND:
-            return 0
-        ratio = requested if requested is not None else self.recompute_ratio
-        if ratio is None:
-            ratio = self.controller.min_ratio
-        return self.check_layers[0] if ratio > 0 else 0
 
     def open_ahead(
         self, layout: PromptLayout, mode: Mode, recompute_ratio: float | None = None
@@ -254,7 +301,7 @@ class Prefiller:
         """The stream `prefill` would open first for this prompt, opened now: the store's one
         loader reads its first layers while the prompts ahead of it in the step compute."""
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
-        return self._open(mode, keys, set(), self._first_layer(mode, recompute_ratio))
+        return self._open(mode, keys, set(), self.ratios.first_layer(mode, recompute_ratio))
 
     def _open(
         self, mode: Mode, keys: list[str], excluded: set[str], first_layer: int
@@ -267,86 +314,9 @@ class Prefiller:
         wanted = [None if key in excluded else key for key in keys]
         return self.store.open_stream(
             wanted,
-            device=self.runner.device,
+            device=self.ops.device,
             read_delay_s=self.kv_read_delay_s,
             first_layer=first_layer,
-        )
-
-    def _choose(
-        self,
-        layout: PromptLayout,
-        mode: Mode,
-        requested: float | None,
-        tiers: list[str | None],
-        prefix_cached: bool,
-    ) -> RatioChoice:
-        """The recompute ratio, the check layers and who chose them: the request, the engine's
-        setting, or (neither given, cacheblend, something cached) the controller."""
-        if requested is not None:
-            return RatioChoice(requested, self.check_layers, "request")
-        if self.recompute_ratio is not None:
-            return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
-        if mode is not Mode.CACHEBLEND or not any(tiers):
-            return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
-        num_layers = self.runner.shape.num_layers
-        # The fallback reuses the cached prefix too: either way the compute to compare with
-        # the loads is that of the other tokens.
-        computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
-        decision = self.controller.decide(
-            computed, self._layer_bytes(layout.chunks, tiers), num_layers
-        )
-        shift = decision.leading_layers - self.check_layers[0]
-        checks = tuple(c + shift for c in self.check_layers if c + shift < num_layers)
-        return RatioChoice(
-            decision.recompute_ratio,
-            checks or (decision.leading_layers,),
-            "controller",
-            decision.full_prefill,
-        )
-
-    def _layer_bytes(
-        self, chunks: tuple[tuple[int, ...], ...], tiers: list[str | None]
-    ) -> dict[str, int]:
-        """Bytes of one layer of the chunks' KV per tier they are read from, as the model
-        holds it (the unit of the controller's estimates, whatever a tier stores)."""
-        shape = self.runner.shape
-        token_bytes = 2 * shape.num_kv_heads * shape.head_dim * self.runner.dtype.itemsize
-        layer_bytes: dict[str, int] = {}
-        for tokens, tier in zip(chunks, tiers, strict=True):
-            if tier is not None:
-                layer_bytes[tier] = layer_bytes.get(tier, 0) + token_bytes * len(tokens)
-        return layer_bytes
-
-    def _observe(
-        self,
-        layout: PromptLayout,
-        output: PrefillOutput,
-        probe: KVLayerStream | None,
-        used: KVLayerStream | None,
-    ) -> None:
-        """Feed the controller what this prefill measured: the loader's time per layer of the
-        fallback's probe or of the stream the layer loop read (over every chunk), and the
-        time of the layers computed for every token."""
-        if probe is not None:
-            self._observe_stream(layout.chunks, probe, probe=True)
-        if used is not None:
-            self._observe_stream(layout.chunks, used, probe=False)
-        widest = max((c.num_tokens for c in output.layer_computes), default=0)
-        for c in output.layer_computes:
-            if c.num_tokens == widest:
-                self.controller.observe_compute(c.num_tokens, c.compute_end_s - c.compute_start_s)
-
-    def _observe_stream(
-        self, chunks: tuple[tuple[int, ...], ...], stream: KVLayerStream, probe: bool
-    ) -> None:
-        """The layers a (closed) stream loaded, whether or not they were read."""
-        if not stream.timings:
-            return
-        layers = len(stream.timings)
-        self.controller.observe_load(
-            {t: n * layers for t, n in self._layer_bytes(chunks, stream.tiers).items()},
-            sum(t.load_end_s - t.load_start_s for t in stream.timings),
-            probe,
         )
 
     @staticmethod

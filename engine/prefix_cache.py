@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from engine.blend import PrefixKV
 from kvstore.store import KVStore
 from kvstore.types import ChunkKV, chunk_key
 
@@ -22,7 +21,8 @@ class PrefixCache:
         self._keys: OrderedDict[tuple[int, ...], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, prefix: tuple[int, ...]) -> PrefixKV | None:
+    def get(self, prefix: tuple[int, ...]) -> ChunkKV | None:
+        """The prefix's KV (`rotated`: exact at positions 0..P-1), or None."""
         with self._lock:
             key = self._keys.get(prefix)
             if key is None or self.store is None:
@@ -33,13 +33,15 @@ class PrefixCache:
             with self._lock:
                 self._keys.pop(prefix, None)
             return None
-        return PrefixKV(kv.keys, kv.values)
+        # The tier keeps tensors, not the flag; every entry put here is rotated.
+        return ChunkKV(kv.keys, kv.values, rotated=True)
 
-    def put(self, prefix: tuple[int, ...], kv: PrefixKV) -> None:
+    def put(self, prefix: tuple[int, ...], kv: ChunkKV) -> None:
+        assert kv.rotated, "the prefix cache holds exact, rotated prefix KV"
         if self.capacity <= 0 or self.store is None or not prefix:
             return
         key = chunk_key(self._namespace, prefix)
-        if not self.store.put_local(key, ChunkKV(keys=kv.keys, values=kv.values)):
+        if not self.store.put_local(key, kv):
             return
         with self._lock:
             self._keys[prefix] = key

@@ -12,6 +12,9 @@ from functools import cached_property
 
 from jinja2 import TemplateError
 
+from engine.errors import PromptTooLongError
+from engine.types import ChunkOrder, GenerateRequest
+
 # The demo model (demo/) was trained on prompts with exactly this system prompt and instruction:
 # change either and its weights answer worse. tests/demo/test_demo_quality.py and
 # test_demo_train.py catch such a drift; retrain the demo (demo/README.md) when changing them.
@@ -112,3 +115,26 @@ class PromptBuilder:
             return prefix, suffix
         bos = self.tokenizer.bos_token or ""
         return f"{bos}{system}\n{INSTRUCTION}\n\n", f"Question: {question.strip()}\nAnswer:"
+
+
+def request_layout(
+    prompts: PromptBuilder, request: GenerateRequest, max_model_len: int
+) -> PromptLayout:
+    """The request's prompt (with `fit_context`, chunks dropped from the end until it fits;
+    then, with chunk_order best_last, the kept chunks reversed), checked by `fitting`."""
+    layout = prompts.build(request.question, [c.text for c in request.chunks], request.system)
+    if request.fit_context:
+        layout = layout.fitted(max_model_len - request.max_tokens)
+    if request.chunk_order is ChunkOrder.BEST_LAST:
+        layout = layout.reversed()
+    return fitting(layout, request.max_tokens, max_model_len)
+
+
+def fitting(layout: PromptLayout, max_tokens: int, max_model_len: int) -> PromptLayout:
+    """`layout`, or PromptTooLongError when it and max_tokens exceed `max_model_len`."""
+    if layout.num_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"prompt has {layout.num_tokens} tokens and max_tokens is {max_tokens}: "
+            f"more than the engine's maximum of {max_model_len} positions"
+        )
+    return layout

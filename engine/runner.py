@@ -1,5 +1,5 @@
-"""The model runner: a KV pool allocated once, prefill into a sequence's slot, and one
-batched decode step for all running sequences.
+"""The model runner: a KV pool sized and allocated once, and one batched decode step for all
+running sequences (prefills write into a slot's view; the blend loop in blend.py runs them).
 
 Pool: keys and values [L, S, H_kv, C, D] for S slots of C positions. A slot's view is the
 prefill's output buffer, and decode writes one position per sequence in place: no per-request
@@ -8,41 +8,105 @@ allocation and no per-token copy of the context.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 from engine.penalties import PenaltyState
+from kvstore.types import kv_token_bytes
+
+# Positions per sequence when neither the setting nor the model bounds them.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable (free plus reclaimable cache), or the free pages where /proc is absent."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def slot_length(ops: LayerOps, requested: int | None) -> int:
+    """Positions per KV slot (`max_model_len`): the setting, within the model's bound."""
+    limit = ops.max_positions or DEFAULT_MAX_MODEL_LEN
+    if requested is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if not 1 <= requested <= limit:
+        raise ValueError(f"max_model_len must be in 1..{limit} (the model's), got {requested}")
+    return requested
+
+
+def pool_bytes(ops: LayerOps, num_slots: int, slot_tokens: int) -> int:
+    shape = ops.shape
+    token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, ops.dtype, shape.num_layers)
+    return token_bytes * num_slots * slot_tokens
+
+
+def fit_slots(ops: LayerOps, max_num_seqs: int, slot_tokens: int, budget_bytes: int | None) -> int:
+    """How many slots of `slot_tokens` the pool holds: at most `max_num_seqs`, within the budget
+    (default: half the free GPU memory, or a quarter of the available RAM)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    slot_bytes = pool_bytes(ops, 1, slot_tokens)
+    budget = budget_bytes if budget_bytes is not None else _default_pool_bytes(ops.device)
+    num_slots = min(max_num_seqs, budget // slot_bytes)
+    if num_slots < 1:
+        raise ValueError(
+            f"the KV pool of {budget / 2**30:.2f} GiB holds no sequence of max_model_len "
+            f"{slot_tokens} ({slot_bytes / 2**30:.2f} GiB): raise the pool or lower "
+            f"max_model_len"
+        )
+    return num_slots
+
+
+def _default_pool_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return available_ram_bytes() // 4
 
 
 class ModelRunner:
-    def __init__(self, layers: LayerRunner, num_slots: int, slot_tokens: int):
-        self.layers = layers
-        shape = layers.shape
+    def __init__(self, ops: LayerOps, num_slots: int, slot_tokens: int):
+        self.ops = ops
+        shape = ops.shape
         self.num_slots = num_slots
         self.slot_tokens = slot_tokens
         pool_shape = (shape.num_layers, num_slots, shape.num_kv_heads, slot_tokens, shape.head_dim)
         # Zeros, not empty: padded attention multiplies masked-out values by exactly 0, and
         # 0 * NaN from uninitialised memory would poison the row.
         try:
-            self.keys = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
-            self.values = torch.zeros(pool_shape, dtype=layers.dtype, device=layers.device)
+            self.keys = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
+            self.values = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            size = self.pool_bytes(layers, num_slots, slot_tokens) / 2**30
+            size = pool_bytes(ops, num_slots, slot_tokens) / 2**30
             raise ValueError(
                 f"the KV pool of {num_slots} slots x {slot_tokens} positions ({size:.2f} GiB) "
-                f"does not fit on {layers.device}: lower kv_pool_gb, max_num_seqs or max_model_len"
+                f"does not fit on {ops.device}: lower kv_pool_gb, max_num_seqs or max_model_len"
             ) from exc
-        self.cos, self.sin = layers.rope_tables(slot_tokens)  # [C, D]
+        self.cos, self.sin = ops.rope_tables(slot_tokens)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
-        vocab_size = layers.model.lm_head.weight.shape[0]  # the width of the logits
-        self.penalties = PenaltyState(num_slots, vocab_size, layers.device)
+        vocab_size = ops.model.lm_head.weight.shape[0]  # the width of the logits
+        self.penalties = PenaltyState(num_slots, vocab_size, ops.device)
 
-    @staticmethod
-    def pool_bytes(layers: LayerRunner, num_slots: int, slot_tokens: int) -> int:
-        shape = layers.shape
-        per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-        return per_token * layers.dtype.itemsize * num_slots * slot_tokens
+    @classmethod
+    def sized(
+        cls,
+        ops: LayerOps,
+        max_num_seqs: int,
+        max_model_len: int | None,
+        kv_pool_bytes: int | None,
+    ) -> ModelRunner:
+        """A pool of as many slots as fit (`fit_slots`) of `slot_length(max_model_len)`."""
+        slot_tokens = slot_length(ops, max_model_len)
+        return cls(ops, fit_slots(ops, max_num_seqs, slot_tokens, kv_pool_bytes), slot_tokens)
 
     def slot_kv(self, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [L, H_kv, num_tokens, D] of a slot: where a prefill writes the prompt's KV."""
@@ -56,8 +120,8 @@ class ModelRunner:
         positions[b]. Attention runs once per layer over the slots [0, high) padded to the
         longest context, each row masked to its own positions (and sliding window).
         """
-        runner, device = self.layers, self.layers.device
-        shape = runner.shape
+        ops, device = self.ops, self.ops.device
+        shape = ops.shape
         batch = len(slots)
         slot_idx = torch.tensor(slots, device=device)
         pos = torch.tensor(positions, device=device)
@@ -71,16 +135,16 @@ class ModelRunner:
         # One query per sequence: the G query heads of a KV group attend as G rows over the
         # same keys, which needs no GQA support from the kernel. Idle slots' rows stay zero.
         q_rows = torch.zeros(
-            high, shape.num_kv_heads, self.group, shape.head_dim, dtype=runner.dtype, device=device
+            high, shape.num_kv_heads, self.group, shape.head_dim, dtype=ops.dtype, device=device
         )
-        h = runner.embed(torch.tensor(token_ids, device=device))  # [B, d]
+        h = ops.embed(torch.tensor(token_ids, device=device))  # [B, d]
         for i in range(shape.num_layers):
-            q, k, v = runner.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
-            q = runner.rotate(q, cos, sin)
-            k = runner.rotate(k, cos, sin)
+            q, k, v = ops.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
+            q = ops.rotate(q, cos, sin)
+            k = ops.rotate(k, cos, sin)
             self.keys[i][slot_idx, :, pos] = k.transpose(0, 1)
             self.values[i][slot_idx, :, pos] = v.transpose(0, 1)
-            window = runner.windows[i]
+            window = ops.windows[i]
             if window not in masks:
                 assert window is not None
                 masks[window] = (causal & (key_pos > row_pos[:, None] - window))[:, None, None]
@@ -90,7 +154,7 @@ class ModelRunner:
                 self.keys[i][:high, :, :num_keys],  # [high, H_kv, T, D], a view of the pool
                 self.values[i][:high, :, :num_keys],
                 attn_mask=masks[window],
-                scale=runner.layers[i].self_attn.scaling,
+                scale=ops.blocks[i].self_attn.scaling,
             )
-            h = runner.finish_layer(i, h, out[slot_idx].reshape(batch, -1))
-        return runner.logits_batch(h)
+            h = ops.finish_layer(i, h, out[slot_idx].reshape(batch, -1))
+        return ops.logits_batch(h)

@@ -9,13 +9,16 @@ decodes in flight. Plain Python: the tensors live in the runner.
 from __future__ import annotations
 
 from collections import deque
+from typing import Generic, TypeVar
 
 from engine.errors import QueueFullError
 from engine.sequence import Sequence, SequenceStatus
 from engine.slots import SlotTable
 
+S = TypeVar("S", bound=Sequence)
 
-class Scheduler:
+
+class Scheduler(Generic[S]):
     def __init__(self, slots: SlotTable, max_waiting: int, max_prefill_tokens: int):
         if max_waiting < 0 or max_prefill_tokens < 1:
             raise ValueError(
@@ -25,15 +28,15 @@ class Scheduler:
         self.slots = slots
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []
         self._last_was_prefill = False
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: S) -> None:
         """Queue `seq`; raises QueueFullError when the queue and the KV pool are both full.
         The engine refuses a sequence longer than a slot before it gets here."""
         assert seq.max_positions <= self.slots.slot_tokens, "longer than a KV slot"
@@ -45,10 +48,10 @@ class Scheduler:
             )
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> tuple[list[S], bool]:
         """The sequences of the next step and whether it is a prefill step."""
         if self.waiting and self.slots.num_free and not (self.running and self._last_was_prefill):
-            batch: list[Sequence] = []
+            batch: list[S] = []
             budget = self.max_prefill_tokens
             while self.waiting and self.slots.num_free:
                 seq = self.waiting[0]
@@ -65,7 +68,7 @@ class Scheduler:
         self._last_was_prefill = False
         return list(self.running), False
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: S) -> None:
         """Take `seq` out of the queues and free its slot at once (done, failed or cancelled)."""
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -74,3 +77,21 @@ class Scheduler:
             assert seq.slot is not None
             self.slots.release(seq.slot)
         seq.status = SequenceStatus.FINISHED
+
+    def finish_done(self, seqs: list[S]) -> list[S]:
+        """Finish those of `seqs` that have a finish reason; returns them."""
+        done = [seq for seq in seqs if seq.finish_reason is not None]
+        for seq in done:
+            self.finish(seq)
+        return done
+
+    def drop_cancelled(self) -> list[S]:
+        """Finish every cancelled sequence, waiting or running; returns them."""
+        cancelled = [seq for seq in [*self.waiting, *self.running] if seq.cancelled]
+        for seq in cancelled:
+            self.finish(seq)
+        return cancelled
+
+    def cancel_all(self) -> None:
+        for seq in [*self.waiting, *self.running]:
+            seq.cancelled = True

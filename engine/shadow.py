@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import agreement
-from engine.blend import PrefixKV, run_prefill
-from engine.layers import LayerRunner
+from engine.blend import run_prefill
+from engine.layers import LayerOps
 from engine.plan import PrefillPlan
 from engine.types import Mode
+from kvstore.types import ChunkKV, kv_token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,8 @@ class Shadow:
     `every_steps` steps under load.
     """
 
-    def __init__(self, runner: LayerRunner, config: ShadowConfig, rng: random.Random | None = None):
-        self.runner = runner
+    def __init__(self, ops: LayerOps, config: ShadowConfig, rng: random.Random | None = None):
+        self.ops = ops
         self.config = config
         self.stats = ShadowStats()
         self._rng = rng or random.Random()
@@ -273,22 +274,24 @@ class Shadow:
         job.sample.kv = None
 
     def _kv_bytes(self, positions: int) -> int:
-        shape = self.runner.shape
-        per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-        return per_position * positions * self.runner.dtype.itemsize
+        shape = self.ops.shape
+        token_bytes = kv_token_bytes(
+            shape.num_kv_heads, shape.head_dim, self.ops.dtype, shape.num_layers
+        )
+        return token_bytes * positions
 
     def _positions(self, sample: ShadowSample) -> int:
         # The last answer token is only compared, never fed, so it needs no position.
         return len(sample.prompt) + self.config.max_tokens - 1
 
     def _start(self, sample: ShadowSample) -> _Job:
-        runner, shape = self.runner, self.runner.shape
+        ops, shape = self.ops, self.ops.shape
         size = (shape.num_layers, shape.num_kv_heads, self._positions(sample), shape.head_dim)
         return _Job(
             sample,
             self.config.max_tokens,
-            torch.empty(size, dtype=runner.dtype, device=runner.device),
-            torch.empty(size, dtype=runner.dtype, device=runner.device),
+            torch.empty(size, dtype=ops.dtype, device=ops.device),
+            torch.empty(size, dtype=ops.dtype, device=ops.device),
         )
 
     def _advance(self, job: _Job) -> None:
@@ -333,9 +336,13 @@ class Shadow:
             recompute_ratio=1.0,
             check_layers=(),
         )
-        prefix = PrefixKV(job.keys[:, :, :start], job.values[:, :, :start]) if start else None
+        prefix = (
+            ChunkKV(job.keys[:, :, :start], job.values[:, :, :start], rotated=True)
+            if start
+            else None
+        )
         out = run_prefill(
-            self.runner, plan, prefix, out=(job.keys[:, :, :end], job.values[:, :, :end])
+            self.ops, plan, prefix, out=(job.keys[:, :, :end], job.values[:, :, :end])
         )
         job.done = end
         return out.logits

@@ -166,6 +166,16 @@ class Timings:
     overlap: float = 1.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for metrics: prefill or decode, sequences, tokens fed, seconds."""
+
+    is_prefill: bool
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+
+
 @dataclass
 class TokenDelta:
     """Text produced by one decoding step (empty while a multi-byte character or a possible stop

@@ -13,7 +13,7 @@ import xxhash
 from kvstore import codec
 from kvstore.codec import Encoding, QuantizedPair
 from kvstore.errors import KVCorruptError, KVModelMismatchError, KVVersionError
-from kvstore.types import ChunkKV
+from kvstore.types import ChunkKV, kv_token_bytes
 
 MAGIC = b"RBLENDKV"
 FORMAT_VERSION = 2  # 2 added the encoding field and per-layer scales; 1 is read as "none"
@@ -76,8 +76,10 @@ class EntryHeader:
     @property
     def chunk_nbytes(self) -> int:
         """Bytes of the whole entry decoded (`ChunkKV.nbytes`): what it takes in memory."""
-        values = self.num_layers * self.num_kv_heads * self.num_tokens * self.head_dim
-        return 2 * values * self.dtype.itemsize
+        return (
+            kv_token_bytes(self.num_kv_heads, self.head_dim, self.dtype, self.num_layers)
+            * self.num_tokens
+        )
 
     @property
     def scale_nbytes(self) -> int:

@@ -34,16 +34,26 @@ def chunk_key(model_fingerprint: str, token_ids: Sequence[int]) -> str:
     return digest.hexdigest()
 
 
+def kv_token_bytes(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_layers: int = 1
+) -> int:
+    """Bytes of one token's keys and values over `num_layers` layers, as the model holds them."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
 @dataclass(frozen=True)
 class ChunkKV:
-    """The standalone KV cache of one chunk, every layer.
+    """The KV cache of a run of tokens, every layer: a chunk's standalone KV, or (`rotated`) an
+    exact prompt prefix's.
 
-    keys and values: [num_layers, num_kv_heads, num_tokens, head_dim]; keys are stored before
-    RoPE (`positions = "pre_rope"`), so the engine can rotate them to any final position.
+    keys and values: [num_layers, num_kv_heads, num_tokens, head_dim]. A chunk's keys are kept
+    before RoPE (`positions = "pre_rope"`), so the engine can rotate them to any final position;
+    `rotated` keys are after RoPE, at positions 0..num_tokens-1, and usable only there.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
+    rotated: bool = False
 
     def __post_init__(self) -> None:
         assert self.keys.shape == self.values.shape, (self.keys.shape, self.values.shape)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.engine import StepRecord
 from engine.shadow import SAMPLED_MODES, ShadowReport
-from engine.types import GenerateResult, Mode
+from engine.types import GenerateResult, Mode, StepRecord
 from kvstore import tiers
 from kvstore.remote_tier import RemoteTier
 from kvstore.types import TierStats
@@ -68,157 +67,120 @@ KL_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 class EngineMetrics:
     def __init__(self, engine):
         self.engine = engine
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "ragblend_engine_requests",
-            "Generations finished, by mode and finish reason",
-            ["mode", "finish_reason"],
-            registry=r,
+        self.registry = r = CollectorRegistry()
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"ragblend_engine_{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(f"ragblend_engine_{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.requests = counter(
+            "requests", "Generations finished, by mode and finish reason", "mode", "finish_reason"
         )
-        self.ttft = Histogram(
-            "ragblend_engine_ttft_seconds",
-            "Time to first token, by mode",
-            ["mode"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.kv_load_seconds = Histogram(
-            "ragblend_engine_kv_load_seconds",
+        self.ttft = histogram("ttft_seconds", "Time to first token, by mode", TTFT_BUCKETS, "mode")
+        self.kv_load_seconds = histogram(
+            "kv_load_seconds",
             "Time spent loading chunk KV per request, by tier",
-            ["tier"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
+            "tier",
         )
-        self.kv_load_bytes = Counter(
-            "ragblend_engine_kv_load_bytes", "Chunk KV bytes loaded, by tier", ["tier"], registry=r
-        )
-        self.kv_lookups = Counter(
-            "ragblend_engine_kv_lookups",
+        self.kv_load_bytes = counter("kv_load_bytes", "Chunk KV bytes loaded, by tier", "tier")
+        self.kv_lookups = counter(
+            "kv_lookups",
             "Chunk KV lookups, by tier and result (tiers are asked fastest first until a hit)",
-            ["tier", "result"],
-            registry=r,
+            "tier",
+            "result",
         )
-        self.kv_chunks = Counter(
-            "ragblend_engine_kv_chunks",
-            "Chunks whose KV was looked up (the denominator of the hit rate)",
-            registry=r,
+        self.kv_chunks = counter(
+            "kv_chunks", "Chunks whose KV was looked up (the denominator of the hit rate)"
         )
-        self.recomputed_tokens = Counter(
-            "ragblend_engine_recomputed_tokens",
-            "Chunk tokens whose KV was computed for a request",
-            registry=r,
+        self.recomputed_tokens = counter(
+            "recomputed_tokens", "Chunk tokens whose KV was computed for a request"
         )
-        self.reused_tokens = Counter(
-            "ragblend_engine_reused_tokens",
-            "Prompt tokens whose KV came from a cache unchanged",
-            registry=r,
+        self.reused_tokens = counter(
+            "reused_tokens", "Prompt tokens whose KV came from a cache unchanged"
         )
-        self.prompt_tokens = Counter("ragblend_engine_prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter(
-            "ragblend_engine_generation_tokens", "Generated tokens", registry=r
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.recompute_ratio = histogram(
+            "recompute_ratio", "Recompute ratio used by cacheblend requests", RATIO_BUCKETS
         )
-        self.recompute_ratio = Histogram(
-            "ragblend_engine_recompute_ratio",
-            "Recompute ratio used by cacheblend requests",
-            buckets=RATIO_BUCKETS,
-            registry=r,
-        )
-        self.overlap = Histogram(
-            "ragblend_engine_pipeline_overlap_ratio",
+        self.overlap = histogram(
+            "pipeline_overlap_ratio",
             "Fraction of KV load time hidden behind compute",
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
-            registry=r,
+            (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
         )
-        self.precomputed_chunks = Counter(
-            "ragblend_engine_precomputed_chunks",
-            "Chunks precomputed, by result",
-            ["result"],
-            registry=r,
+        self.precomputed_chunks = counter(
+            "precomputed_chunks", "Chunks precomputed, by result", "result"
         )
-        self.errors = Counter(
-            "ragblend_engine_errors", "Failed requests, by kind", ["kind"], registry=r
-        )
+        self.errors = counter("errors", "Failed requests, by kind", "kind")
         for kind in ("queue_full", "generation"):  # zero series, so dashboards show 0 errors
             self.errors.labels(kind)
-        self.queue_time = Histogram(
-            "ragblend_engine_request_queue_time_seconds",
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
             "Time from arrival until the prefill started",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.time_per_output_token = Histogram(
-            "ragblend_engine_time_per_output_token_seconds",
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
             "Mean time between output tokens of a request, after the first",
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
         )
-        self.batch_size = Histogram(
-            "ragblend_engine_batch_size",
+        self.batch_size = histogram(
+            "batch_size",
             "Sequences per engine step, by step kind (prefill or decode)",
-            ["step"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
+            BATCH_BUCKETS,
+            "step",
         )
-        self.step_tokens = Histogram(
-            "ragblend_engine_step_tokens",
+        self.step_tokens = histogram(
+            "step_tokens",
             "Tokens fed to the model per engine step, by step kind",
-            ["step"],
-            buckets=STEP_TOKEN_BUCKETS,
-            registry=r,
+            STEP_TOKEN_BUCKETS,
+            "step",
         )
-        self.step_seconds = Histogram(
-            "ragblend_engine_step_seconds",
-            "Duration of one engine step, by step kind",
-            ["step"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
+        self.step_seconds = histogram(
+            "step_seconds", "Duration of one engine step, by step kind", TTFT_BUCKETS, "step"
         )
-        self.remote_seconds = Histogram(
-            "ragblend_engine_remote_seconds",
+        self.remote_seconds = histogram(
+            "remote_seconds",
             "Latency of one Redis operation of the remote KV tier, by operation (exists, get, "
             "put, delete, ping); a skipped one (Redis unreachable, backing off) is not observed",
-            ["op"],
-            buckets=REMOTE_BUCKETS,
-            registry=r,
+            REMOTE_BUCKETS,
+            "op",
         )
-        self.shadow_topk = Histogram(
-            "ragblend_engine_shadow_topk_agreement",
+        self.shadow_topk = histogram(
+            "shadow_topk_agreement",
             "Shadow checks: share of the top-k first tokens of full prefill the blend also has",
-            ["mode"],
-            buckets=AGREEMENT_BUCKETS,
-            registry=r,
+            AGREEMENT_BUCKETS,
+            "mode",
         )
-        self.shadow_kl = Histogram(
-            "ragblend_engine_shadow_kl_divergence",
+        self.shadow_kl = histogram(
+            "shadow_kl_divergence",
             "Shadow checks: KL(full prefill || blend) of the first-token distributions, in nats",
-            ["mode"],
-            buckets=KL_BUCKETS,
-            registry=r,
+            KL_BUCKETS,
+            "mode",
         )
-        self.shadow_greedy = Histogram(
-            "ragblend_engine_shadow_greedy_agreement",
+        self.shadow_greedy = histogram(
+            "shadow_greedy_agreement",
             "Shadow checks of greedy requests: agreeing prefix of the greedy continuations, as a "
             "share of the tokens compared",
-            ["mode"],
-            buckets=AGREEMENT_BUCKETS,
-            registry=r,
+            AGREEMENT_BUCKETS,
+            "mode",
         )
-        self.shadow_answer_kl = Histogram(
-            "ragblend_engine_shadow_answer_kl",
+        self.shadow_answer_kl = histogram(
+            "shadow_answer_kl",
             "Shadow checks, teacher-forced: mean KL(full prefill || blend) in nats of the "
             "next-token distributions over full prefill's greedy answer fed after each prompt KV",
-            ["mode"],
-            buckets=KL_BUCKETS,
-            registry=r,
+            KL_BUCKETS,
+            "mode",
         )
-        self.shadow_answer_argmax = Histogram(
-            "ragblend_engine_shadow_answer_argmax_agreement",
+        self.shadow_answer_argmax = histogram(
+            "shadow_answer_argmax_agreement",
             "Shadow checks, teacher-forced: share of full prefill's answer positions whose most "
             "likely next token the blend's prompt KV also puts first",
-            ["mode"],
-            buckets=AGREEMENT_BUCKETS,
-            registry=r,
+            AGREEMENT_BUCKETS,
+            "mode",
         )
         shadow_histograms = (
             self.shadow_topk,
@@ -228,8 +190,8 @@ class EngineMetrics:
             self.shadow_answer_argmax,
         )
         for mode in SAMPLED_MODES:  # zero series from the start
-            for histogram in shadow_histograms:
-                histogram.labels(mode.value)
+            for series in shadow_histograms:
+                series.labels(mode.value)
         engine.shadow.add_listener(self.observe_shadow)
         remote = engine.store.tier(tiers.REMOTE)
         if isinstance(remote, RemoteTier):

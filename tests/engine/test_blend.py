@@ -73,8 +73,8 @@ def test_one_chunk_behind_the_bos_prefix_equals_full_prefill_in_every_mode(
     engine.precompute([chunk])
     tokens = engine.prompts.chunk_tokens(chunk.text)
     layout = PromptLayout(engine.prompts.chunk_prefix, (tokens,), engine.prompts.encode("Answer:"))
-    full = engine.prefill_layout(layout, Mode.FULL_PREFILL, 1.0).output
-    reused = engine.prefill_layout(layout, mode, 0.15)
+    full = engine.prefiller.prefill(layout, Mode.FULL_PREFILL, 1.0).output
+    reused = engine.prefiller.prefill(layout, mode, 0.15)
     if mode in (Mode.CACHEBLEND, Mode.FULL_REUSE):
         assert reused.plan.chunk_sources == (ChunkSource.BLEND,)
     torch.testing.assert_close(reused.output.logits, full.logits, rtol=RTOL, atol=ATOL)
@@ -234,7 +234,7 @@ def test_uncached_chunk_is_computed_in_full_and_written_back(engine_for, make_ch
     engine.drain()
     assert engine.store.lookup([fresh_key])[0] is not None
     stored = read_entry(engine.store, fresh_key)
-    expected = engine.compute_chunk_kv(engine.prompts.chunk_tokens(fresh.text))
+    expected = engine.prefiller.compute_chunk_kv(engine.prompts.chunk_tokens(fresh.text))
     torch.testing.assert_close(stored.keys, expected.keys, rtol=0, atol=0)
 
 

@@ -57,7 +57,7 @@ def prefill_at(engine: Engine, layout: PromptLayout, layer_compute_s: float) -> 
     layer: its decisions then depend on the measured loads alone, not on this machine's load."""
     controller = engine.prefiller.controller
     controller.token_layer_s = layer_compute_s / computed_tokens(engine, layout)
-    return engine.prefill_layout(layout, Mode.CACHEBLEND)
+    return engine.prefiller.prefill(layout, Mode.CACHEBLEND)
 
 
 @pytest.mark.parametrize("engine", [tiers.MEMORY, tiers.SSD], indirect=True)
@@ -101,7 +101,7 @@ def test_the_fallback_reuses_the_cached_prefix_and_equals_full_prefill(engine, c
     layout = engine.layout(ask(chunks))
     engine.prefiller.controller.seconds_per_byte[tiers.MEMORY] = 1.0  # a second per byte
     fallback = prefill_at(engine, layout, 0.01)
-    full = engine.prefill_layout(layout, Mode.FULL_PREFILL)
+    full = engine.prefiller.prefill(layout, Mode.FULL_PREFILL)
 
     assert fallback.blend.fell_back_to_full_prefill
     assert fallback.plan.prefix_cached
@@ -123,4 +123,4 @@ def test_the_loader_reads_no_layer_below_the_first_check_layer(
     blended = engine.prefill(ask(chunks, recompute_ratio=0.3))
     assert blended.plan.chunk_sources == (ChunkSource.BLEND,) * 3
     loaded = [e.layer for e in blended.timeline if e.load_start_s is not None]
-    assert loaded == list(range(check_layer, engine.layers.shape.num_layers))
+    assert loaded == list(range(check_layer, engine.ops.shape.num_layers))

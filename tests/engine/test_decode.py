@@ -122,7 +122,7 @@ def test_async_stream_yields_deltas_that_add_up_to_the_result(engine_for, make_c
     expected = engine.generate(fixed)
 
     async def collect():
-        return [event async for event in engine.stream(fixed)]
+        return [event async for event in engine.start(fixed)]
 
     events = asyncio.run(collect())
     *deltas, result = events

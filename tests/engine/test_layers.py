@@ -1,4 +1,4 @@
-"""LayerRunner, the decoder's ops on token subsets: run on all tokens it is the model's own
+"""LayerOps, the decoder's ops on token subsets: run on all tokens it is the model's own
 forward, and a subset of queries attends exactly as those rows of the full pass."""
 
 from __future__ import annotations
@@ -9,24 +9,24 @@ from transformers import DynamicCache
 
 from demo.tiny import FAMILIES
 from engine.attention import ATTENTION_BLOCK, MIN_CAUSAL_RUN, query_spans
-from engine.layers import LayerRunner
+from engine.layers import LayerOps
 from tests.engine.hf_reference import cache_keyword
 
 TOKENS = list(range(5, 45))
 
 
-def full_pass(runner: LayerRunner, token_ids: list[int], queries: list[int] | None = None):
+def full_pass(ops: LayerOps, token_ids: list[int], queries: list[int] | None = None):
     """Hidden states of `queries` (default: all) after every layer, all keys computed exactly."""
     n = len(token_ids)
     queries = list(range(n)) if queries is None else queries
-    cos, sin = runner.rope_tables(n)
-    h = runner.embed(torch.tensor(token_ids))
-    for i in range(runner.shape.num_layers):
-        q, k, v = runner.project_qkv(i, h)
-        q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
-        out = runner.attend(i, q[:, queries], k, v, runner.attention_plan(queries))
+    cos, sin = ops.rope_tables(n)
+    h = ops.embed(torch.tensor(token_ids))
+    for i in range(ops.shape.num_layers):
+        q, k, v = ops.project_qkv(i, h)
+        q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
+        out = ops.attend(i, q[:, queries], k, v, ops.attention_plan(queries))
         h_all = h.clone()
-        h_all[queries] = runner.finish_layer(i, h[queries], out)
+        h_all[queries] = ops.finish_layer(i, h[queries], out)
         h = h_all
     return h[queries]
 
@@ -34,9 +34,9 @@ def full_pass(runner: LayerRunner, token_ids: list[int], queries: list[int] | No
 @pytest.mark.parametrize("family", FAMILIES)
 def test_all_layers_on_all_tokens_give_the_models_own_last_logits(engine_for, family):
     engine = engine_for(family)
-    runner = LayerRunner(engine.model)
+    ops = LayerOps(engine.model)
     with torch.inference_mode():
-        ours = runner.logits(full_pass(runner, TOKENS)[-1])
+        ours = ops.logits(full_pass(ops, TOKENS)[-1])
         cache = DynamicCache(config=engine.model.config)
         theirs = (
             engine.model(
@@ -49,32 +49,32 @@ def test_all_layers_on_all_tokens_give_the_models_own_last_logits(engine_for, fa
 
 
 def test_a_query_subset_attends_exactly_as_those_rows_of_the_causal_pass(engine_for):
-    runner = LayerRunner(engine_for("llama").model)
+    ops = LayerOps(engine_for("llama").model)
     n = len(TOKENS)
-    cos, sin = runner.rope_tables(n)
+    cos, sin = ops.rope_tables(n)
     with torch.inference_mode():
-        h = runner.embed(torch.tensor(TOKENS))
-        q, k, v = runner.project_qkv(0, h)
-        q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
-        everyone = runner.attend(0, q, k, v, runner.attention_plan(list(range(n))))
+        h = ops.embed(torch.tensor(TOKENS))
+        q, k, v = ops.project_qkv(0, h)
+        q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
+        everyone = ops.attend(0, q, k, v, ops.attention_plan(list(range(n))))
         queries = [0, 3, 17, 18, 39]
-        subset = runner.attend(0, q[:, queries], k, v, runner.attention_plan(queries))
+        subset = ops.attend(0, q[:, queries], k, v, ops.attention_plan(queries))
     torch.testing.assert_close(subset, everyone[queries], rtol=1e-5, atol=1e-5)
 
 
 def test_a_query_never_sees_a_later_position(engine_for):
-    runner = LayerRunner(engine_for("llama").model)
+    ops = LayerOps(engine_for("llama").model)
     n = len(TOKENS)
-    cos, sin = runner.rope_tables(n)
+    cos, sin = ops.rope_tables(n)
     with torch.inference_mode():
-        q, k, v = runner.project_qkv(0, runner.embed(torch.tensor(TOKENS)))
-        q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
+        q, k, v = ops.project_qkv(0, ops.embed(torch.tensor(TOKENS)))
+        q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
         queries = [4, 10]
-        plan = runner.attention_plan(queries)
-        before = runner.attend(0, q[:, queries], k, v, plan)
+        plan = ops.attention_plan(queries)
+        before = ops.attend(0, q[:, queries], k, v, plan)
         v_later = v.clone()
         v_later[:, 11:] = 1e3  # changes only values after the last query
-        after = runner.attend(0, q[:, queries], k, v_later, plan)
+        after = ops.attend(0, q[:, queries], k, v_later, plan)
     torch.testing.assert_close(before, after, rtol=0, atol=0)
 
 
@@ -105,30 +105,30 @@ def test_a_long_run_from_near_the_start_is_causal_and_a_late_or_short_one_is_mas
 def test_causal_runs_attend_exactly_as_the_masked_blocks(engine_for, family, monkeypatch):
     """A run of queries behind a few scattered ones (r = 1 behind a cached prefix, an uncached
     chunk, the suffix): the causal kernel gives what the masked path gives, window included."""
-    runner = LayerRunner(engine_for(family).model)
+    ops = LayerOps(engine_for(family).model)
     n = 3 * MIN_CAUSAL_RUN
     token_ids = [5 + t % 40 for t in range(n)]
     queries = [1, 4, *range(9, n)]
-    cos, sin = runner.rope_tables(n)
+    cos, sin = ops.rope_tables(n)
     with torch.inference_mode():
-        q, k, v = runner.project_qkv(0, runner.embed(torch.tensor(token_ids)))
-        q, k = runner.rotate(q, cos, sin), runner.rotate(k, cos, sin)
-        causal_plan = runner.attention_plan(queries)
+        q, k, v = ops.project_qkv(0, ops.embed(torch.tensor(token_ids)))
+        q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
+        causal_plan = ops.attention_plan(queries)
         assert any(span.causal for span in causal_plan.spans)
-        fast = [runner.attend(i, q[:, queries], k, v, causal_plan) for i in (0, 1)]
+        fast = [ops.attend(i, q[:, queries], k, v, causal_plan) for i in (0, 1)]
         monkeypatch.setattr("engine.attention.MIN_CAUSAL_RUN", n + 1)
-        masked_plan = runner.attention_plan(queries)
+        masked_plan = ops.attention_plan(queries)
         assert not any(span.causal for span in masked_plan.spans)
-        masked = [runner.attend(i, q[:, queries], k, v, masked_plan) for i in (0, 1)]
+        masked = [ops.attend(i, q[:, queries], k, v, masked_plan) for i in (0, 1)]
     for ours, reference in zip(fast, masked, strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_rotate_is_the_models_own_rope(engine_for):
     engine = engine_for("llama3")
-    runner = LayerRunner(engine.model)
-    rope = __import__(type(runner.layers[0].self_attn).__module__, fromlist=["x"])
-    cos, sin = runner.rope_tables(7)
-    x = torch.randn(2, 7, runner.shape.head_dim)
+    ops = LayerOps(engine.model)
+    rope = __import__(type(ops.blocks[0].self_attn).__module__, fromlist=["x"])
+    cos, sin = ops.rope_tables(7)
+    x = torch.randn(2, 7, ops.shape.head_dim)
     expected, _ = rope.apply_rotary_pos_emb(x[None], x[None], cos[None], sin[None])
-    torch.testing.assert_close(runner.rotate(x, cos, sin), expected[0])
+    torch.testing.assert_close(ops.rotate(x, cos, sin), expected[0])

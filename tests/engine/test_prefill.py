@@ -75,7 +75,7 @@ def test_a_chunk_entry_bad_mid_stream_is_recomputed_on_a_fresh_stream(
     assert engine.store.lookup([engine.chunk_key(c) for c in layout.chunks])[1] is None
     engine.prefiller.kv_read_delay_s = 0.0
     # The same as a prefill that never had the entry: nothing of the bad read is left.
-    again = engine.prefill_layout(layout, Mode.CACHEBLEND, 0.3)
+    again = engine.prefiller.prefill(layout, Mode.CACHEBLEND, 0.3)
     assert again.plan.chunk_sources == sources
     torch.testing.assert_close(recovered.output.logits, again.output.logits, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(recovered.output.keys, again.output.keys, rtol=RTOL, atol=ATOL)

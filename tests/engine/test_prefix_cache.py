@@ -9,19 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.blend import PrefixKV
 from engine.prefix_cache import PrefixCache
 from kvstore import tiers
 from kvstore.store import KVStore, KVStoreConfig
+from kvstore.types import ChunkKV
 
 FINGERPRINT = "prefix-test-model"
 
 
-def kv(seed: int) -> PrefixKV:
+def kv(seed: int) -> ChunkKV:
     generator = torch.Generator().manual_seed(seed)
-    return PrefixKV(
+    return ChunkKV(
         keys=torch.randn(2, 2, 3, 4, generator=generator),
         values=torch.randn(2, 2, 3, 4, generator=generator),
+        rotated=True,
     )
 
 
@@ -31,7 +32,7 @@ def store(tmp_path: Path) -> Iterator[KVStore]:
         yield s
 
 
-def _equal(a: PrefixKV | None, b: PrefixKV) -> bool:
+def _equal(a: ChunkKV | None, b: ChunkKV) -> bool:
     return a is not None and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 

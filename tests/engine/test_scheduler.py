@@ -6,22 +6,13 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import QueueFullError
-from engine.prompt import PromptLayout
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.slots import SlotTable
-from engine.types import GenerateRequest
 
 
 def seq(prompt_tokens: int, max_tokens: int = 4) -> Sequence:
-    return Sequence(
-        request=GenerateRequest(question="q", max_tokens=max_tokens),
-        layout=PromptLayout((), ((7,) * prompt_tokens,), ()),
-        sampler=None,  # type: ignore[arg-type]
-        text=None,  # type: ignore[arg-type]
-        emit=lambda event: None,
-        arrival_s=0.0,
-    )
+    return Sequence(num_prompt_tokens=prompt_tokens, max_tokens=max_tokens)
 
 
 def scheduler(slots: int = 2, max_waiting: int = 1, budget: int = 100) -> Scheduler:

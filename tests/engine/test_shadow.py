@@ -219,7 +219,7 @@ def test_with_a_share_of_busy_steps_a_check_completes_while_other_requests_run(t
 def finished_sample(engine: Engine, prompt_tokens: int = 40) -> ShadowSample:
     """A sample as a finished greedy request leaves it (logits of a real prefill)."""
     layout = engine.layout(GenerateRequest("q", chunks=long_chunks(2, prompt_tokens // 4)))
-    output = engine.prefill_layout(layout, Mode.FULL_PREFILL).output
+    output = engine.prefiller.prefill(layout, Mode.FULL_PREFILL).output
     sample = ShadowSample(Mode.CACHEBLEND, layout.token_ids, True, 2, (output.keys, output.values))
     sample.observe(output.logits, int(output.logits.argmax()))
     return sample
@@ -228,7 +228,7 @@ def finished_sample(engine: Engine, prompt_tokens: int = 40) -> ShadowSample:
 def test_a_full_queue_skips_new_samples_and_preempt_drops_every_pending_check(engine_for):
     engine = engine_for("llama")
     config = ShadowConfig(fraction=1.0, max_queue=2, max_share=1.0, piece_tokens=8, every_steps=0)
-    shadow = Shadow(engine.layers, config)
+    shadow = Shadow(engine.ops, config)
     for _ in range(3):
         shadow.submit(finished_sample(engine), busy=False)
     assert shadow.pending == 2 and shadow.stats.skipped["queue_full"] == 1
@@ -241,7 +241,7 @@ def test_a_full_queue_skips_new_samples_and_preempt_drops_every_pending_check(en
 
 def test_a_sample_arriving_when_the_shadow_used_its_share_is_skipped(engine_for):
     engine = engine_for("llama")
-    shadow = Shadow(engine.layers, ShadowConfig(fraction=1.0, max_share=1e-9))
+    shadow = Shadow(engine.ops, ShadowConfig(fraction=1.0, max_share=1e-9))
     shadow.submit(finished_sample(engine), busy=False)
     while shadow.run_piece():
         pass
@@ -252,23 +252,23 @@ def test_a_sample_arriving_when_the_shadow_used_its_share_is_skipped(engine_for)
 
 def test_sampling_takes_the_configured_fraction_of_eligible_requests(engine_for):
     engine = engine_for("llama")
-    shadow = Shadow(engine.layers, ShadowConfig(fraction=0.25), rng=random.Random(7))
+    shadow = Shadow(engine.ops, ShadowConfig(fraction=0.25), rng=random.Random(7))
     taken = [shadow.sample(Mode.CACHEBLEND, (1, 2), True, False) for _ in range(2000)]
     assert 0.22 < sum(s is not None for s in taken) / len(taken) < 0.28
     assert shadow.sample(Mode.CACHEBLEND, (1, 2), True, fell_back=True) is None
-    off = Shadow(engine.layers, ShadowConfig())
+    off = Shadow(engine.ops, ShadowConfig())
     assert all(off.sample(Mode.FULL_REUSE, (1,), True, False) is None for _ in range(100))
 
 
 def test_checks_are_skipped_while_their_kv_would_pass_the_budget(engine_for):
     engine = engine_for("llama")
     sample = finished_sample(engine)
-    shape, itemsize = engine.layers.shape, engine.layers.dtype.itemsize
+    shape, itemsize = engine.ops.shape, engine.ops.dtype.itemsize
     per_position = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize
     # The host copy of the blend's prompt KV, and full prefill's KV of prompt + answer - 1.
     one_check = per_position * (2 * len(sample.prompt) + 2 - 1)
     config = ShadowConfig(fraction=1.0, max_share=1.0, max_tokens=2, max_kv_bytes=one_check)
-    shadow = Shadow(engine.layers, config)
+    shadow = Shadow(engine.ops, config)
     shadow.submit(sample, busy=False)
     assert shadow.kv_bytes == one_check and sample.kv is not None
     assert sample.kv[0].device.type == "cpu"
@@ -286,10 +286,10 @@ def test_a_check_of_an_exact_kv_deviates_nowhere_and_one_of_naive_reuse_does(eng
     layout = engine.layout(GenerateRequest("q", chunks=long_chunks(3, 12)))
     engine.precompute(long_chunks(3, 12))
     reports: list[ShadowReport] = []
-    shadow = Shadow(engine.layers, ShadowConfig(fraction=1.0, max_share=1.0, max_tokens=6))
+    shadow = Shadow(engine.ops, ShadowConfig(fraction=1.0, max_share=1.0, max_tokens=6))
     shadow.add_listener(reports.append)
     for mode in (Mode.FULL_PREFILL, Mode.FULL_REUSE):
-        output = engine.prefill_layout(layout, mode).output
+        output = engine.prefiller.prefill(layout, mode).output
         kv = (output.keys.clone(), output.values.clone())
         sample = ShadowSample(Mode.FULL_REUSE, layout.token_ids, False, 6, kv)
         sample.observe(output.logits, 0)

@@ -1,0 +1,97 @@
+"""Chunk KV precompute and write-back: each chunk's standalone KV computed on the worker thread,
+between engine steps, and put in the store unless it is there already."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Iterable
+
+from engine.errors import ChunkTooLongError
+from engine.prefill import Prefiller
+from engine.prompt import PromptBuilder
+from engine.types import Chunk, ChunkWrite, PrecomputeResult
+from engine.worker import Worker
+from kvstore.store import KVStore
+
+
+class ChunkPrecompute:
+    """Precomputes chunks for one engine; a chunk may use at most `max_chunk_tokens` (a prompt's
+    frame and one generated token must fit beside it in `max_model_len` positions)."""
+
+    def __init__(
+        self,
+        prompts: PromptBuilder,
+        prefiller: Prefiller,
+        store: KVStore,
+        worker: Worker,
+        max_model_len: int,
+    ):
+        self.prompts = prompts
+        self.prefiller = prefiller
+        self.store = store
+        self.worker = worker
+        self.max_model_len = max_model_len
+        frame = prompts.build("?", []).num_tokens
+        self.max_chunk_tokens = max(0, max_model_len - frame - 1)
+
+    def precompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
+        """Compute and store the standalone KV of every chunk not already in the store; waits
+        until each entry is written to the store's last tier. Raises ChunkTooLongError, before
+        any compute, for a chunk longer than `max_chunk_tokens`."""
+        writes = [
+            self.worker.submit(functools.partial(self._compute, t)) for t in self.tokens(chunks)
+        ]
+        done = [w.result() for w in writes]
+        return _tally(done, [d.written.result() for d in done if d.written is not None])
+
+    async def aprecompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
+        """Precompute chunk by chunk as background work, between engine steps; tokenizing (and
+        the length check) runs on a thread of its own, off the event loop and the model."""
+        tokens = await asyncio.to_thread(self.tokens, chunks)
+        done = await asyncio.gather(
+            *(self.worker.run(functools.partial(self._compute, t)) for t in tokens)
+        )
+        written = await asyncio.gather(
+            *(asyncio.wrap_future(d.written) for d in done if d.written is not None)
+        )
+        return _tally(done, written)
+
+    def tokens(self, chunks: Iterable[Chunk | str]) -> list[tuple[int, ...]]:
+        """The tokens of each chunk; ChunkTooLongError names the first one longer than
+        `max_chunk_tokens` (its KV could never be used)."""
+        result = []
+        for index, chunk in enumerate(chunks):
+            name, text = (chunk.id, chunk.text) if isinstance(chunk, Chunk) else (index, chunk)
+            tokens = self.prompts.chunk_tokens(text)
+            if len(tokens) > self.max_chunk_tokens:
+                raise ChunkTooLongError(
+                    f"chunk {name!r} has {len(tokens)} tokens: more than the "
+                    f"{self.max_chunk_tokens} a chunk may use in a prompt of max_model_len "
+                    f"{self.max_model_len} positions"
+                )
+            result.append(tokens)
+        return result
+
+    def write_back(self, missing: list[tuple[int, ...]]) -> None:
+        """Queue the KV of chunks a prefill found missing as background work."""
+        for tokens in missing:
+            self.worker.submit(functools.partial(self._compute, tokens))
+
+    def _compute(self, tokens: tuple[int, ...]) -> ChunkWrite:
+        key = self.prefiller.chunk_key(tokens)
+        if self.store.lookup([key])[0] is not None:
+            return ChunkWrite(skipped=True)
+        kv = self.prefiller.compute_chunk_kv(tokens)
+        return ChunkWrite(skipped=False, nbytes=kv.nbytes, written=self.store.put(key, kv))
+
+
+def _tally(done: list[ChunkWrite], written: list[bool]) -> PrecomputeResult:
+    """`written`: the write outcome of each chunk of `done` that was not skipped, in order."""
+    computed = [d for d in done if not d.skipped]
+    return PrecomputeResult(
+        stored=sum(written),
+        skipped=len(done) - len(computed),
+        failed=len(written) - sum(written),
+        bytes=sum(d.nbytes for d in computed),
+    )

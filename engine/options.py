@@ -1,0 +1,45 @@
+"""The engine's options, one typed record: what `Engine(loaded, store, **options)` accepts, with
+its defaults; the service fills it from its settings (engine/api/main.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.selection import Selection
+from engine.shadow import ShadowConfig
+from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, Penalties
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """`max_num_seqs` sequences run together, each in a KV slot of `max_model_len` positions
+    (default: the model's, at most 8192); `kv_pool_bytes` bounds the pool (default: half the
+    free GPU memory, or a quarter of the available RAM), so fewer slots may fit. Up to
+    `max_waiting` more requests queue beyond the free slots; past that `start()` raises
+    QueueFullError. `shadow` samples blended requests for shadow checks (engine/shadow.py).
+    `selection` picks the tokens cacheblend recomputes: HKVD (CacheBlend's), or `random` of the
+    same budget, a research baseline. `default_penalties` apply to requests that leave a
+    penalty unset.
+    """
+
+    check_layers: tuple[int, ...] = (1,)
+    recompute_ratio: float | None = None
+    min_recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    system_prompt: str | None = None
+    prefix_cache_entries: int = 16
+    max_waiting: int = 64
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    kv_pool_bytes: int | None = None
+    max_prefill_tokens: int = 8192
+    kv_read_delay_s: float = 0.0
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    selection: Selection = Selection.HKVD
+    default_penalties: Penalties = NO_PENALTIES
+
+    def check_layers_of(self, num_layers: int) -> tuple[int, ...]:
+        """The check layers, sorted, for a model of `num_layers` (default: layer 1, or 0)."""
+        layers = tuple(sorted(set(self.check_layers))) or (min(1, num_layers - 1),)
+        if not all(0 <= layer < num_layers for layer in layers):
+            raise ValueError(f"check layers {layers} outside the model's 0..{num_layers - 1}")
+        return layers

@@ -1,0 +1,122 @@
+"""Who chooses a prompt's recompute ratio and check layers (the request, the engine's setting
+or the controller), and what each prefill feeds back to the controller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.blend import PrefillOutput
+from engine.controller import Controller
+from engine.layers import LayerOps
+from engine.plan import first_streamed_layer
+from engine.prompt import PromptLayout
+from engine.types import DEFAULT_RECOMPUTE_RATIO, Mode
+from kvstore.loader import KVLayerStream
+from kvstore.types import kv_token_bytes
+
+
+@dataclass(frozen=True)
+class RatioChoice:
+    recompute_ratio: float
+    check_layers: tuple[int, ...]
+    chosen_by: str  # "request", "engine" or "controller"
+    full_prefill: bool = False  # the controller found blending slower than a full prefill
+
+
+class RatioPolicy:
+    def __init__(
+        self,
+        ops: LayerOps,
+        check_layers: tuple[int, ...],
+        controller: Controller,
+        recompute_ratio: float | None,
+    ):
+        self.ops = ops
+        self.check_layers = check_layers
+        self.controller = controller
+        self.recompute_ratio = recompute_ratio
+
+    def first_layer(self, mode: Mode, requested: float | None) -> int:
+        """The lowest layer the plan can read from the stream, known before it is made: the
+        controller's ratio is at least its floor, and its check layers only move up."""
+        ratio = requested if requested is not None else self.recompute_ratio
+        if ratio is None:
+            ratio = self.controller.min_ratio
+        return first_streamed_layer(ratio if mode is Mode.CACHEBLEND else 0.0, self.check_layers)
+
+    def choose(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        requested: float | None,
+        tiers: list[str | None],
+        prefix_cached: bool,
+    ) -> RatioChoice:
+        """The recompute ratio, the check layers and who chose them: the request, the engine's
+        setting, or (neither given, cacheblend, something cached) the controller."""
+        if requested is not None:
+            return RatioChoice(requested, self.check_layers, "request")
+        if self.recompute_ratio is not None:
+            return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
+        if mode is not Mode.CACHEBLEND or not any(tiers):
+            return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
+        num_layers = self.ops.shape.num_layers
+        # The fallback reuses the cached prefix too: either way the compute to compare with
+        # the loads is that of the other tokens.
+        computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
+        decision = self.controller.decide(
+            computed, self._layer_bytes(layout.chunks, tiers), num_layers
+        )
+        shift = decision.leading_layers - self.check_layers[0]
+        checks = tuple(c + shift for c in self.check_layers if c + shift < num_layers)
+        return RatioChoice(
+            decision.recompute_ratio,
+            checks or (decision.leading_layers,),
+            "controller",
+            decision.full_prefill,
+        )
+
+    def _layer_bytes(
+        self, chunks: tuple[tuple[int, ...], ...], tiers: list[str | None]
+    ) -> dict[str, int]:
+        """Bytes of one layer of the chunks' KV per tier they are read from, as the model
+        holds it (the unit of the controller's estimates, whatever a tier stores)."""
+        shape = self.ops.shape
+        token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, self.ops.dtype)
+        layer_bytes: dict[str, int] = {}
+        for tokens, tier in zip(chunks, tiers, strict=True):
+            if tier is not None:
+                layer_bytes[tier] = layer_bytes.get(tier, 0) + token_bytes * len(tokens)
+        return layer_bytes
+
+    def observe(
+        self,
+        layout: PromptLayout,
+        output: PrefillOutput,
+        probe: KVLayerStream | None,
+        used: KVLayerStream | None,
+    ) -> None:
+        """Feed the controller what this prefill measured: the loader's time per layer of the
+        fallback's probe or of the stream the layer loop read (over every chunk), and the
+        time of the layers computed for every token."""
+        if probe is not None:
+            self._observe_stream(layout.chunks, probe, probe=True)
+        if used is not None:
+            self._observe_stream(layout.chunks, used, probe=False)
+        widest = max((c.num_tokens for c in output.layer_computes), default=0)
+        for c in output.layer_computes:
+            if c.num_tokens == widest:
+                self.controller.observe_compute(c.num_tokens, c.compute_end_s - c.compute_start_s)
+
+    def _observe_stream(
+        self, chunks: tuple[tuple[int, ...], ...], stream: KVLayerStream, probe: bool
+    ) -> None:
+        """The layers a (closed) stream loaded, whether or not they were read."""
+        if not stream.timings:
+            return
+        layers = len(stream.timings)
+        self.controller.observe_load(
+            {t: n * layers for t, n in self._layer_bytes(chunks, stream.tiers).items()},
+            sum(t.load_end_s - t.load_start_s for t in stream.timings),
+            probe,
+        )
