@@ -25,7 +25,14 @@ from gateway.errors import (
     DependencyUnavailableError,
     GatewayDependencyError,
 )
-from gateway.failover import Miss, after_miss, final_status, first_event_deadline_s
+from gateway.failover import (
+    Miss,
+    after_miss,
+    final_status,
+    first_event_deadline_s,
+    miss_of_status,
+    soonest_retry_after_s,
+)
 from gateway.routing import rank_engines
 from gateway.types import EngineRequest, EngineResult
 
@@ -240,10 +247,12 @@ class EnginePool:
         try:
             async with asyncio.timeout(deadline_s):
                 response = await self.upstream.client.send(request, stream=True)
-                if response.status_code == 503:  # its model is not loaded yet
-                    raise _Skipped(Miss.NOT_READY, "HTTP 503")
-                if response.status_code >= 500:
+                miss = miss_of_status(response.status_code)
+                if miss is Miss.NOT_READY:
+                    raise _Skipped(miss, "HTTP 503")
+                if not response.is_success:
                     await response.aread()
+                if miss is Miss.FAILED:
                     log.warning(
                         "%s (%s) answered HTTP %d: %s",
                         engine.name,
@@ -251,13 +260,11 @@ class EnginePool:
                         response.status_code,
                         detail_of(response),
                     )
-                    raise _Skipped(Miss.FAILED, f"HTTP {response.status_code}")
-                if response.status_code == 429:
-                    await response.aread()
+                    raise _Skipped(miss, f"HTTP {response.status_code}")
+                if miss is Miss.BUSY:
                     retry_after_s = response.headers.get("Retry-After", "1")
-                    raise _Skipped(Miss.BUSY, detail_of(response), retry_after_s=retry_after_s)
+                    raise _Skipped(miss, detail_of(response), retry_after_s=retry_after_s)
                 if not response.is_success:
-                    await response.aread()
                     self.upstream.check(response)
                 stream = EngineStream(engine, response, self.upstream)
                 await stream.first_event()
@@ -363,9 +370,7 @@ def _none_answered(misses: list[tuple[str, _Skipped]]) -> GatewayDependencyError
     if status == 504:
         return DependencyTimeoutError("engine", f"no engine answered in time ({tried})")
     if status == 429:
-        # The soonest any of them expects room.
-        waits = [int(s.retry_after_s) for _, s in misses if (s.retry_after_s or "").isdigit()]
-        retry_after_s = str(min(waits, default=1))
+        retry_after_s = soonest_retry_after_s([s.retry_after_s for _, s in misses])
         return DependencyBusyError("engine", f"every engine is busy ({tried})", retry_after_s)
     if status == 503:
         return DependencyUnavailableError("engine", f"no engine answered ({tried})")
