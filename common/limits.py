@@ -1,5 +1,5 @@
-"""The limits of the wire contract, declared once for the services on both sides of a call,
-and the request body size limit of every service (a 413 before the body is read whole)."""
+"""The request body size limit of every service: a 413 before the body is read whole (the
+limits of the bodies' fields are the wire contract's, common.contract)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,6 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.errors import send_error
-
-# A question (gateway), the query it becomes (retriever): characters.
-MAX_QUESTION_CHARS = 100_000
-# Stop strings of one generation, as the gateway takes them and the engine matches them.
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-# Filters of a search, passed on by the gateway to the retriever.
-MAX_DOC_IDS = 1_000
-MAX_COLLECTIONS = 64
-# Retrieval hops of a search (the second follows the names the first chunks mention).
-MAX_HOPS = 2
 
 
 class BodySizeLimitMiddleware:

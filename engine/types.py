@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeVar
 
+from common.contract import MAX_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY, ChunkOrder, Mode
 from engine.errors import InvalidRequestError
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -26,32 +27,7 @@ def _parse_enum(enum: type[_E], value: str | _E, field: str) -> _E:
         ) from None
 
 
-class Mode(StrEnum):
-    CACHEBLEND = "cacheblend"
-    FULL_PREFILL = "full_prefill"
-    PREFIX_CACHE = "prefix_cache"
-    FULL_REUSE = "full_reuse"
-
-    @classmethod
-    def parse(cls, value: str | Mode) -> Mode:
-        return _parse_enum(cls, value, "mode")
-
-
-class ChunkOrder(StrEnum):
-    """Where a request's chunks (sent best first) go in the prompt: in the order sent, or
-    reversed so that the best one is next to the question."""
-
-    BEST_FIRST = "best_first"
-    BEST_LAST = "best_last"
-
-    @classmethod
-    def parse(cls, value: str | ChunkOrder) -> ChunkOrder:
-        return _parse_enum(cls, value, "chunk_order")
-
-
 DEFAULT_RECOMPUTE_RATIO = 0.15
-MAX_ADDITIVE_PENALTY = 2.0  # OpenAI's bound of presence_penalty and frequency_penalty
-MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -114,8 +90,10 @@ class GenerateRequest:
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # applied after fit_context
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Mode.parse(self.mode))
-        object.__setattr__(self, "chunk_order", ChunkOrder.parse(self.chunk_order))
+        object.__setattr__(self, "mode", _parse_enum(Mode, self.mode, "mode"))
+        object.__setattr__(
+            self, "chunk_order", _parse_enum(ChunkOrder, self.chunk_order, "chunk_order")
+        )
         object.__setattr__(self, "chunks", tuple(self.chunks))
         object.__setattr__(self, "stop", tuple(self.stop))
         if not self.question.strip():

@@ -52,6 +52,26 @@ def after_miss(miss: Miss, *, streaming_others: bool, retried: bool) -> Verdict:
     return Verdict(mark_down, try_next, retried or miss.took_request)
 
 
+def miss_of_status(status: int) -> Miss | None:
+    """What an engine's HTTP status before its stream means: 503 its model is not loaded yet,
+    429 its pool and queue are full, another 5xx a failure. None for a success, and for any
+    other 4xx: the request would fare no better on another engine, so it is answered as is."""
+    if status == 503:
+        return Miss.NOT_READY
+    if status == 429:
+        return Miss.BUSY
+    if status >= 500:
+        return Miss.FAILED
+    return None
+
+
+def soonest_retry_after_s(retry_after: list[str | None]) -> str:
+    """The Retry-After of a request every engine refused as busy: the soonest any of them
+    expects room, in whole seconds (1 when none said)."""
+    waits = [int(value) for value in retry_after if (value or "").isdigit()]
+    return str(min(waits, default=1))
+
+
 def final_status(misses: list[Miss]) -> int:
     """The client's status once no engine answered: 502 when one failed on the request, else
     504 when one was too slow, else 429 when one was busy (every engine that is up refused),

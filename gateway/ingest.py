@@ -8,6 +8,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from common.contract import ChunkIn, PrecomputeRequest
 from gateway.clients.engine import EnginePool, EngineState
 from gateway.clients.retriever import RetrieverClient
 from gateway.errors import GatewayDependencyError
@@ -88,13 +89,15 @@ class IngestTracker:
             document = await self.retriever.get_document(
                 status.collection, status.doc_id, request_id=request_id
             )
-            chunks = [{"id": c["chunk_id"], "text": c["text"]} for c in document["chunks"]]
+            chunks = [ChunkIn(id=c["chunk_id"], text=c["text"]) for c in document["chunks"]]
             if self.engines.shared_kv:
                 await self._precompute_once(status, chunks, request_id)
                 return
             results = await asyncio.gather(
                 *(
-                    self.engines.precompute(engine, chunks, request_id=request_id)
+                    self.engines.precompute(
+                        engine, PrecomputeRequest(chunks=chunks), request_id=request_id
+                    )
                     for engine in self.engines.engines
                 ),
                 return_exceptions=True,
@@ -110,7 +113,7 @@ class IngestTracker:
                 raise result
             else:
                 ok += 1
-                stored, skipped = result["stored"], result["skipped"]
+                stored, skipped = result.stored, result.skipped
                 status.engines[engine.name] = f"stored {stored}, skipped {skipped}"
         # One engine is enough to call it ready: an engine that missed the precompute computes
         # those chunks in full on first use and stores them then (DESIGN.md section 3, step 4).
@@ -120,16 +123,16 @@ class IngestTracker:
             self._finish(status, "failed", "precompute failed on every engine")
 
     async def _precompute_once(
-        self, status: IngestStatus, chunks: list[dict], request_id: str
+        self, status: IngestStatus, chunks: list[ChunkIn], request_id: str
     ) -> None:
         """Each chunk on the first engine of its ranking that stores it; the document is ready
         when every chunk was stored (or found) on one engine."""
-        rankings = {c["id"]: self.engines.candidates([c["id"]]) for c in chunks}
-        pending = {c["id"]: c for c in chunks}
+        rankings = {c.id: self.engines.candidates([c.id]) for c in chunks}
+        pending = {c.id: c for c in chunks}
         tried: dict[str, int] = dict.fromkeys(pending, 0)
         counts: dict[str, list[int]] = {}  # engine name -> [stored, skipped]
         while pending:
-            groups: dict[str, tuple[EngineState, list[dict]]] = {}
+            groups: dict[str, tuple[EngineState, list[ChunkIn]]] = {}
             for chunk_id, chunk in list(pending.items()):
                 ranking = rankings[chunk_id]
                 if tried[chunk_id] >= len(ranking):
@@ -141,7 +144,9 @@ class IngestTracker:
                 break
             results = await asyncio.gather(
                 *(
-                    self.engines.precompute(engine, group, request_id=request_id)
+                    self.engines.precompute(
+                        engine, PrecomputeRequest(chunks=group), request_id=request_id
+                    )
                     for engine, group in groups.values()
                 ),
                 return_exceptions=True,
@@ -150,16 +155,16 @@ class IngestTracker:
                 if isinstance(result, GatewayDependencyError):
                     status.engines[engine.name] = f"failed: {result}"
                     for chunk in group:
-                        tried[chunk["id"]] += 1
+                        tried[chunk.id] += 1
                     continue
                 if isinstance(result, BaseException):
                     raise result
                 total = counts.setdefault(engine.name, [0, 0])
-                total[0] += result["stored"]
-                total[1] += result["skipped"]
+                total[0] += result.stored
+                total[1] += result.skipped
                 status.engines[engine.name] = f"stored {total[0]}, skipped {total[1]}"
                 for chunk in group:
-                    del pending[chunk["id"]]
+                    del pending[chunk.id]
         missed = sum(1 for chunk_id in tried if tried[chunk_id] >= len(rankings[chunk_id]))
         if missed:
             # Those chunks are computed in full on first use and stored then.

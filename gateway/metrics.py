@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common.contract import Usage
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_KINDS = ("prompt", "completion", "cached", "recomputed")
 
@@ -91,7 +93,7 @@ class GatewayMetrics:
     def upstream_error(self, dependency: str, kind: str) -> None:
         self.upstream_errors.labels(dependency, kind).inc()
 
-    def observe_generation(self, mode: str, usage: dict[str, int], engine_s: float) -> None:
+    def observe_generation(self, mode: str, usage: Usage, engine_s: float) -> None:
         self.engine_seconds.labels(mode).observe(engine_s)
         for kind in TOKEN_KINDS:
-            self.tokens.labels(kind, mode).inc(usage.get(f"{kind}_tokens", 0))
+            self.tokens.labels(kind, mode).inc(getattr(usage, f"{kind}_tokens"))

@@ -7,16 +7,18 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from common.contract import Delta
 from gateway.clients.engine import EnginePool, EngineStream
 from gateway.clients.retriever import RetrieverClient
 from gateway.errors import GatewayDependencyError
 from gateway.metrics import GatewayMetrics
-from gateway.types import Delta, EngineRequest, EngineResult, Source
+from gateway.types import EngineRequest, EngineResult, RagRequest
 
 
 class TimedStream:
-    """An engine stream that records the first token's time (from `arrived_at`, the request's
-    arrival) and the generation's usage once the result arrives."""
+    """An engine stream over a request's retrieved sources (`generation`) that records the
+    first token's time (from `arrived_at`, the request's arrival) and the generation's usage
+    once the result arrives."""
 
     def __init__(
         self,
@@ -25,12 +27,14 @@ class TimedStream:
         metrics: GatewayMetrics,
         arrived_at: float,
         sent_at: float,
+        retrieval_s: float,
     ):
         self.stream = stream
         self.generation = generation
         self.metrics = metrics
         self.arrived_at = arrived_at
         self.sent_at = sent_at
+        self.retrieval_s = retrieval_s  # how long the search for its sources took
         self.ttft_s: float | None = None
         # Set when the stream broke off after it began: the client got a 200 and an error event.
         self.failure: GatewayDependencyError | None = None
@@ -69,39 +73,18 @@ class Pipeline:
         self.engines = engines
         self.metrics = metrics
 
-    async def retrieve(
-        self,
-        question: str,
-        top_k: int,
-        doc_ids: list[str] | None,
-        collections: list[str] | None,
-        *,
-        request_id: str,
-        retrieval: str | None = None,
-        hops: int = 1,
-    ) -> tuple[list[Source], float]:
-        """The top_k chunks, best first (then the second hop's), and the seconds the search
-        took."""
-        start = time.perf_counter()
-        sources = await self.retriever.search(
-            question,
-            top_k,
-            doc_ids,
-            collections,
-            request_id=request_id,
-            retrieval=retrieval,
-            hops=hops,
-        )
-        elapsed_s = time.perf_counter() - start
-        self.metrics.retrieval_seconds.observe(elapsed_s)
-        return sources, elapsed_s
-
     @asynccontextmanager
-    async def generate(
-        self, generation: EngineRequest, *, request_id: str, arrived_at: float
+    async def start(
+        self, rag: RagRequest, *, request_id: str, arrived_at: float
     ) -> AsyncIterator[TimedStream]:
-        """An open engine stream; leaving the context early cancels the engine's work."""
+        """Retrieve the request's chunks (best first, then the second hop's), then open an
+        engine stream over them; leaving the context early cancels the engine's work."""
+        started = time.perf_counter()
+        sources = await self.retriever.search(rag.search(), request_id=request_id)
+        retrieval_s = time.perf_counter() - started
+        self.metrics.retrieval_seconds.observe(retrieval_s)
+        generation = EngineRequest(rag, tuple(sources))
         sent_at = time.perf_counter()
         async with self.engines.generate(generation, request_id=request_id) as stream:
             self.metrics.engine_requests.labels(stream.engine.name).inc()
-            yield TimedStream(stream, generation, self.metrics, arrived_at, sent_at)
+            yield TimedStream(stream, generation, self.metrics, arrived_at, sent_at, retrieval_s)

@@ -10,8 +10,8 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from common.contract import MAX_TOKENS_LIMIT, ChunkOrderName
 from gateway.auth import load_keys
-from gateway.types import ChunkOrderName
 
 
 class GatewaySettings(BaseSettings):
@@ -52,7 +52,7 @@ class GatewaySettings(BaseSettings):
     )
     max_top_k: int = Field(32, ge=1)
     default_max_tokens: int = Field(128, ge=1)
-    max_tokens_limit: int = Field(4096, ge=1)
+    max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1)
     model_name: str = Field("ragblend", description="model id shown by /v1/models")
     shutdown_grace_s: float = Field(30.0, ge=0, description="drain time for in-flight streams")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit")

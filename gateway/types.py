@@ -1,12 +1,19 @@
-"""Plain dataclasses of the request path, independent of HTTP schemas."""
+"""The request path's types, independent of the gateway's HTTP schemas: a RAG request as a
+route resolved it, what is asked of the engine over the sources found, and its result."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
-# Where the best chunk goes in the prompt: first, or last (next to the question).
-ChunkOrderName = Literal["best_first", "best_last"]
+from common.contract import (
+    ChunkIn,
+    ChunkOrder,
+    GenerateBody,
+    GenerateResponse,
+    Mode,
+    RetrievalName,
+    SearchRequest,
+)
 
 
 @dataclass(frozen=True)
@@ -15,17 +22,22 @@ class Source:
     doc_id: str
     score: float
     text: str
-    collection: str | None = None  # None from a retriever older than collections
+    collection: str
 
 
 @dataclass(frozen=True)
-class EngineRequest:
-    """What the gateway asks the engine for; `question` is the user's text, the chunks come
-    from retrieval."""
+class RagRequest:
+    """One request of a generating route, its defaults resolved: what to retrieve for
+    `question` (the search), and how to generate over what is found (the rest)."""
 
     question: str
-    sources: tuple[Source, ...]
-    mode: str = "cacheblend"
+    top_k: int
+    doc_ids: list[str] | None = None
+    collections: list[str] | None = None  # None: every collection
+    retrieval: RetrievalName | None = None  # None: the retriever's default
+    hops: int = 1
+    system: str | None = None
+    mode: Mode = Mode.CACHEBLEND
     recompute_ratio: float | None = None
     max_tokens: int = 128
     temperature: float = 0.0
@@ -36,8 +48,29 @@ class EngineRequest:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
-    system: str | None = None
-    chunk_order: ChunkOrderName = "best_first"  # the prompt's; sources stay best first
+    chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # the prompt's; sources stay best first
+
+    def search(self) -> SearchRequest:
+        return SearchRequest(
+            query=self.question,
+            top_k=self.top_k,
+            doc_ids=self.doc_ids,
+            collections=self.collections,
+            retrieval=self.retrieval,
+            hops=self.hops,
+        )
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A RAG request over the sources retrieved for it, best first."""
+
+    rag: RagRequest
+    sources: tuple[Source, ...]
+
+    @property
+    def mode(self) -> Mode:
+        return self.rag.mode
 
     @property
     def chunk_ids(self) -> list[str]:
@@ -59,49 +92,32 @@ class EngineRequest:
         unique = self.unique_sources()
         return unique[: len(unique) - dropped_chunks]
 
-    def engine_body(self, *, fit_context: bool) -> dict[str, Any]:
+    def engine_body(self) -> GenerateBody:
         """The engine's /v1/generate body, always streamed: the gateway needs the first token's
-        time and must notice a dropped client while the engine is still working. With
-        `fit_context` the engine drops chunks from the end (the worst) until the prompt fits."""
-        chunks = [{"id": s.chunk_id, "text": s.text} for s in self.unique_sources()]
-        body: dict[str, Any] = {
-            "system": self.system,
-            "chunks": chunks,
-            "question": self.question,
-            "mode": self.mode,
-            "recompute_ratio": self.recompute_ratio,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": list(self.stop) or None,
-            "stream": True,
-        }
-        # Sent only when set: engines older than the penalties forbid the fields.
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if getattr(self, name) is not None:
-                body[name] = getattr(self, name)
-        if fit_context:
-            body["fit_context"] = True
-        if self.chunk_order != "best_first":  # engines older than chunk_order forbid the field
-            body["chunk_order"] = self.chunk_order
-        return body
+        time and must notice a dropped client while the engine is still working. The engine
+        drops chunks from the end (the worst) until the prompt fits (fit_context)."""
+        rag = self.rag
+        return GenerateBody(
+            system=rag.system,
+            chunks=[ChunkIn(id=s.chunk_id, text=s.text) for s in self.unique_sources()],
+            question=rag.question,
+            mode=rag.mode,
+            recompute_ratio=rag.recompute_ratio,
+            max_tokens=rag.max_tokens,
+            temperature=rag.temperature,
+            top_p=rag.top_p,
+            seed=rag.seed,
+            presence_penalty=rag.presence_penalty,
+            frequency_penalty=rag.frequency_penalty,
+            repetition_penalty=rag.repetition_penalty,
+            stop=list(rag.stop) or None,
+            stream=True,
+            fit_context=True,
+            chunk_order=rag.chunk_order,
+        )
 
 
-@dataclass(frozen=True)
-class Delta:
-    text: str
+class EngineResult(GenerateResponse):
+    """The engine's result, plus which engine served it (by name, "engine-0"…)."""
 
-
-@dataclass
-class EngineResult:
-    """The engine's final result event, plus which engine served it (by name, "engine-0"…)."""
-
-    text: str
-    finish_reason: str
-    usage: dict[str, int]
-    timings: dict[str, Any]
-    blend: dict[str, Any]
     engine: str
-    chunk_tiers: list[str | None] = field(default_factory=list)
-    dropped_chunks: int = 0  # chunks left out (from the end) so that the prompt fit

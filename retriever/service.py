@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from common.limits import MAX_HOPS
+from common.contract import MAX_HOPS
 from common.validation import DEFAULT_COLLECTION
 from retriever.bm25 import match_expression
 from retriever.catalog import Catalog, ChunkRecord, DocumentRecord

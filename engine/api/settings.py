@@ -10,12 +10,8 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.auth import check_exposure
-from engine.types import (
-    DEFAULT_RECOMPUTE_RATIO,
-    MAX_ADDITIVE_PENALTY,
-    MAX_REPETITION_PENALTY,
-    Penalties,
-)
+from common.contract import MAX_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY, MAX_TOKENS_LIMIT
+from engine.types import DEFAULT_RECOMPUTE_RATIO, Penalties
 from kvstore.codec import Encoding
 from kvstore.remote_tier import check_url
 
@@ -124,7 +120,7 @@ class EngineSettings(BaseSettings):
         le=MAX_ADDITIVE_PENALTY,
         description="default presence_penalty of requests (0: off; OpenAI's meaning)",
     )
-    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens accepted")
+    max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="largest max_tokens accepted")
     system_prompt: str | None = None
     max_text_chars: int = Field(
         400_000, ge=1, description="longest question, system prompt or chunk text, in characters"

@@ -12,22 +12,22 @@ from fastapi import Request
 
 from gateway.errors import http_status
 from gateway.pipeline import Pipeline, TimedStream
-from gateway.types import EngineRequest, EngineResult
+from gateway.types import EngineResult, RagRequest
 
 DISCONNECT_POLL_S = 0.25
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def open_generation(
-    pipeline: Pipeline, generation: EngineRequest, request: Request
+    pipeline: Pipeline, rag: RagRequest, request: Request
 ) -> tuple[TimedStream, AsyncExitStack]:
-    """The open stream and the stack that closes it; the caller owns the stack (a streaming
-    response closes it when it ends, however it ends)."""
+    """The open stream over the retrieved sources and the stack that closes it; the caller
+    owns the stack (a streaming response closes it when it ends, however it ends)."""
     stack = AsyncExitStack()
     try:
         stream = await stack.enter_async_context(
-            pipeline.generate(
-                generation,
+            pipeline.start(
+                rag,
                 request_id=request.state.request_id,
                 arrived_at=request.state.arrived_at,
             )

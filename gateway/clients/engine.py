@@ -14,7 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import httpx
+from pydantic import ValidationError
 
+from common.contract import Delta, GenerateBody, PrecomputeRequest, PrecomputeResponse
 from gateway.clients.upstream import NOT_SENT, REQUEST_ID_HEADER, Upstream, detail_of
 from gateway.errors import (
     DependencyBusyError,
@@ -23,9 +25,16 @@ from gateway.errors import (
     DependencyUnavailableError,
     GatewayDependencyError,
 )
-from gateway.failover import Miss, after_miss, final_status, first_event_deadline_s
+from gateway.failover import (
+    Miss,
+    after_miss,
+    final_status,
+    first_event_deadline_s,
+    miss_of_status,
+    soonest_retry_after_s,
+)
 from gateway.routing import rank_engines
-from gateway.types import Delta, EngineRequest, EngineResult
+from gateway.types import EngineRequest, EngineResult
 
 log = logging.getLogger(__name__)
 POLLER_REQUEST_ID = "health-poller"
@@ -40,7 +49,7 @@ class EngineState:
     healthy: bool = True  # until a probe says otherwise: a new gateway tries every engine
     max_model_len: int | None = None
     queue_estimate_s: float = 0.0
-    # Its measured prefill speed (None before it measured one, or from an older engine).
+    # Its measured prefill speed (None before it measured one).
     prefill_tokens_per_s: float | None = None
     # When an event of any of its streams last arrived (time.monotonic): a sign of life.
     last_event_at: float = float("-inf")
@@ -67,12 +76,6 @@ class EngineState:
             "queue_estimate_s": self.queue_estimate_s,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
         }
-
-    @property
-    def fits_context(self) -> bool:
-        # An engine that reports max_model_len knows fit_context; an older one would refuse
-        # the field (its body forbids unknown fields).
-        return self.max_model_len is not None
 
 
 class EngineStream:
@@ -108,7 +111,7 @@ class EngineStream:
                     self.engine.last_event_at = time.monotonic()
                     payload = json.loads("\n".join(data))
                     if event == "delta":
-                        yield Delta(payload["text"])
+                        yield Delta.model_validate(payload)
                     elif event == "result":
                         yield self._outcome(payload)
                         return
@@ -116,7 +119,7 @@ class EngineStream:
                         log.warning("%s (%s): %s", self.engine.name, self.engine.url, payload)
                         raise self._failed("its generation failed")
                     event, data = "message", []
-        except (httpx.TransportError, json.JSONDecodeError) as exc:
+        except (httpx.TransportError, json.JSONDecodeError, ValidationError) as exc:
             log.warning("%s (%s) stream: %r", self.engine.name, self.engine.url, exc)
             raise self._failed(f"stream broke off ({type(exc).__name__})") from exc
         raise self._failed("stream ended without a result")
@@ -126,16 +129,7 @@ class EngineStream:
         return DependencyFailedError(self.engine.name, detail)
 
     def _outcome(self, payload: dict) -> EngineResult:
-        return EngineResult(
-            text=payload["text"],
-            finish_reason=payload["finish_reason"],
-            usage=payload["usage"],
-            timings=payload["timings"],
-            blend=payload["blend"],
-            engine=self.engine.name,
-            chunk_tiers=payload.get("chunk_tiers", []),
-            dropped_chunks=int(payload.get("dropped_chunks", 0)),
-        )
+        return EngineResult.model_validate({**payload, "engine": self.engine.name})
 
 
 class _Skipped(Exception):
@@ -233,11 +227,11 @@ class EnginePool:
     async def _open(
         self, engine: EngineState, generation: EngineRequest, request_id: str
     ) -> EngineStream:
-        body = generation.engine_body(fit_context=engine.fits_context)
+        body = generation.engine_body()
         request = self.upstream.client.build_request(
             "POST",
             f"{engine.url}/v1/generate",
-            json=body,
+            json=body.model_dump(mode="json"),
             headers={REQUEST_ID_HEADER: request_id},
             timeout=self.generate_timeout,
         )
@@ -253,10 +247,12 @@ class EnginePool:
         try:
             async with asyncio.timeout(deadline_s):
                 response = await self.upstream.client.send(request, stream=True)
-                if response.status_code == 503:  # its model is not loaded yet
-                    raise _Skipped(Miss.NOT_READY, "HTTP 503")
-                if response.status_code >= 500:
+                miss = miss_of_status(response.status_code)
+                if miss is Miss.NOT_READY:
+                    raise _Skipped(miss, "HTTP 503")
+                if not response.is_success:
                     await response.aread()
+                if miss is Miss.FAILED:
                     log.warning(
                         "%s (%s) answered HTTP %d: %s",
                         engine.name,
@@ -264,13 +260,11 @@ class EnginePool:
                         response.status_code,
                         detail_of(response),
                     )
-                    raise _Skipped(Miss.FAILED, f"HTTP {response.status_code}")
-                if response.status_code == 429:
-                    await response.aread()
+                    raise _Skipped(miss, f"HTTP {response.status_code}")
+                if miss is Miss.BUSY:
                     retry_after_s = response.headers.get("Retry-After", "1")
-                    raise _Skipped(Miss.BUSY, detail_of(response), retry_after_s=retry_after_s)
+                    raise _Skipped(miss, detail_of(response), retry_after_s=retry_after_s)
                 if not response.is_success:
-                    await response.aread()
                     self.upstream.check(response)
                 stream = EngineStream(engine, response, self.upstream)
                 await stream.first_event()
@@ -288,17 +282,19 @@ class EnginePool:
             if not opened and response is not None:
                 await response.aclose()
 
-    async def precompute(self, engine: EngineState, chunks: list[dict], *, request_id: str) -> dict:
+    async def precompute(
+        self, engine: EngineState, body: PrecomputeRequest, *, request_id: str
+    ) -> PrecomputeResponse:
         """Store the chunks' KV on one engine; idempotent (stored chunks are skipped)."""
         response = await self.upstream.request(
             "POST",
             f"{engine.url}/v1/precompute",
-            json={"chunks": chunks},
+            json=body.model_dump(mode="json"),
             request_id=request_id,
             timeout=self.precompute_timeout,
             idempotent=True,
         )
-        return response.json()
+        return PrecomputeResponse.model_validate(response.json())
 
     async def poll(self, engine: EngineState) -> None:
         """One short /health probe; a probe that fails or is late marks the engine unhealthy."""
@@ -326,7 +322,6 @@ class EnginePool:
             speed = body.get("prefill_tokens_per_s")
             valid = isinstance(speed, int | float) and speed > 0
             engine.prefill_tokens_per_s = float(speed) if valid else None
-            # Absent (an engine without a remote tier, or an older one): not shared.
             engine.shared_kv = body.get("shared_kv") is True
 
     @property
@@ -358,10 +353,9 @@ class EnginePool:
             await self.poll_all()
 
 
-def _prompt_bytes(body: dict) -> int:
+def _prompt_bytes(body: GenerateBody) -> int:
     """UTF-8 bytes of every text the engine's prompt is made of."""
-    texts = [body["question"], body["system"] or "", *(c["text"] for c in body["chunks"])]
-    return sum(len(text.encode()) for text in texts)
+    return sum(len(text.encode()) for _, text in body.texts())
 
 
 def _down_reason(skipped: _Skipped) -> str:
@@ -376,9 +370,7 @@ def _none_answered(misses: list[tuple[str, _Skipped]]) -> GatewayDependencyError
     if status == 504:
         return DependencyTimeoutError("engine", f"no engine answered in time ({tried})")
     if status == 429:
-        # The soonest any of them expects room.
-        waits = [int(s.retry_after_s) for _, s in misses if (s.retry_after_s or "").isdigit()]
-        retry_after_s = str(min(waits, default=1))
+        retry_after_s = soonest_retry_after_s([s.retry_after_s for _, s in misses])
         return DependencyBusyError("engine", f"every engine is busy ({tried})", retry_after_s)
     if status == 503:
         return DependencyUnavailableError("engine", f"no engine answered ({tried})")

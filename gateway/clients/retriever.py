@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 import httpx
 
+from common.contract import SearchRequest, SearchResponse
 from gateway.clients.upstream import Upstream
 from gateway.types import Source
 
@@ -48,40 +49,15 @@ class RetrieverClient:
         )
         return response.json()
 
-    async def search(
-        self,
-        query: str,
-        top_k: int,
-        doc_ids: list[str] | None,
-        collections: list[str] | None,
-        *,
-        request_id: str,
-        retrieval: str | None = None,
-        hops: int = 1,
-    ) -> list[Source]:
+    async def search(self, body: SearchRequest, *, request_id: str) -> list[Source]:
         """The top_k chunks, best first (with hops=2, up to top_k second-hop chunks after
-        them); `collections` None searches every collection, `retrieval` None in the
-        retriever's default mode."""
-        body: dict[str, Any] = {"query": query, "top_k": top_k}
-        if doc_ids:
-            body["doc_ids"] = doc_ids
-        if collections is not None:
-            body["collections"] = collections
-        # Sent only when asked for: a retriever without them still answers the defaults.
-        if retrieval is not None:
-            body["retrieval"] = retrieval
-        if hops != 1:
-            body["hops"] = hops
-        answer = await self._read("POST", f"{self.base_url}/v1/search", request_id, json=body)
+        them)."""
+        answer = await self._read(
+            "POST", f"{self.base_url}/v1/search", request_id, json=body.model_dump(mode="json")
+        )
         return [
-            Source(
-                r["chunk_id"],
-                r["doc_id"],
-                float(r["score"]),
-                r["text"],
-                r.get("collection"),
-            )
-            for r in answer["results"]
+            Source(r.chunk_id, r.doc_id, r.score, r.text, r.collection)
+            for r in SearchResponse.model_validate(answer).results
         ]
 
     async def ingest(

@@ -9,13 +9,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, field_validator
 
 from common.errors import error_body
-from common.limits import MAX_COLLECTIONS, MAX_DOC_IDS, MAX_QUESTION_CHARS
-from common.validation import CollectionName, DocId, Text
-from retriever.fusion import RetrievalMode
+from common.validation import DocId, Text
 
 # Metadata travels with every listing and detail answer: kept small, as serialised JSON.
 MAX_METADATA_BYTES = 64 * 1024
-MAX_TOP_K = 10_000  # the bound of the max_top_k setting; the setting is checked in the route
 MAX_OFFSET = 2**31
 
 
@@ -91,59 +88,6 @@ class DocumentDeleteResponse(BaseModel):
     collection: str
     doc_id: str
     deleted_chunks: int
-
-
-class SearchRequest(BaseModel):
-    query: Text = Field(max_length=MAX_QUESTION_CHARS, description="truncated to the model window")
-    # The upper bound is a runtime setting (max_top_k), checked in the route.
-    top_k: int = Field(default=5, gt=0, le=MAX_TOP_K)
-    doc_ids: list[DocId] | None = Field(default=None, min_length=1, max_length=MAX_DOC_IDS)
-    min_score: float | None = Field(
-        default=None,
-        ge=-1.0,
-        le=1.0,
-        allow_inf_nan=False,
-        description="least cosine similarity of a result (dense and hybrid only)",
-    )
-    collections: list[CollectionName] | None = Field(
-        default=None,
-        min_length=1,
-        max_length=MAX_COLLECTIONS,
-        description="collections to search; None: all",
-    )
-    retrieval: RetrievalMode | None = Field(
-        default=None,
-        description="dense (embeddings), bm25 (full text) or hybrid (both, rank-fused); "
-        "None: the retriever's `retrieval` setting",
-    )
-    hops: int = Field(
-        default=1,
-        ge=1,
-        le=2,
-        description="2: up to top_k more chunks found by the names the first ones mention",
-    )
-
-    @field_validator("query")
-    @classmethod
-    def _query_not_blank(cls, value: str) -> str:
-        return _not_blank(value, "query")
-
-
-class SearchResult(BaseModel):
-    chunk_id: str
-    collection: str
-    doc_id: str
-    score: float = Field(
-        description="dense: cosine similarity; bm25: -BM25 (higher is better); hybrid: "
-        "reciprocal rank fusion score"
-    )
-    text: str
-    num_tokens: int
-    hop: int = Field(description="1: found by the query; 2: by a name in a first-hop chunk")
-
-
-class SearchResponse(BaseModel):
-    results: list[SearchResult]
 
 
 class HealthResponse(BaseModel):

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from common.contract import Blend, GenerateBody, GenerateResponse, Timings, Usage
 from tests.service_process import REPO_ROOT, free_port, service_env, wait_ready
 
 # "slow 2.5" in a question: its first event comes 2.5 s after the request (with --slow-questions).
@@ -48,17 +51,22 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             if self.path != "/v1/generate" or not 0 < length <= MAX_BODY_BYTES:
                 self._json(404, {"detail": "not found"})
                 return
-            body = json.loads(self.rfile.read(length))
+            # The contract's body: a gateway that sent another shape fails the test with a 422.
+            try:
+                body = GenerateBody.model_validate_json(self.rfile.read(length))
+            except ValidationError as exc:
+                self._json(422, {"detail": str(exc)})
+                return
             if args.generate_status == 429:
                 self._json(429, {"detail": "engine busy: queue full"}, {"Retry-After": "2"})
                 return
             if args.generate_status != 200:
                 self._json(args.generate_status, {"detail": "an internal error"})
                 return
-            slow = SLOW.search(body["question"])
+            slow = SLOW.search(body.question)
             if slow and args.slow_questions:
                 time.sleep(float(slow.group(1)))
-            self._stream(int(body["max_tokens"]))
+            self._stream(body.max_tokens)
 
         def _stream(self, max_tokens: int) -> None:
             try:
@@ -69,20 +77,7 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
                 for _ in range(max_tokens):
                     self._event("delta", {"text": " word"})
                     time.sleep(DELTA_INTERVAL_S)
-                usage = {
-                    "prompt_tokens": 10,
-                    "completion_tokens": max_tokens,
-                    "cached_tokens": 0,
-                    "recomputed_tokens": 0,
-                }
-                result = {
-                    "text": " word" * max_tokens,
-                    "finish_reason": "length",
-                    "usage": usage,
-                    "timings": {"ttft_s": 0.0},
-                    "blend": {},
-                }
-                self._event("result", result)
+                self._event("result", _result(max_tokens).model_dump())
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the gateway closed the stream: the generation is cancelled
             self.close_connection = True
@@ -101,6 +96,26 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
     return Handler
+
+
+def _result(max_tokens: int) -> GenerateResponse:
+    timings = dict.fromkeys(Timings.model_fields.keys() - {"layers"}, 0.0)
+    return GenerateResponse(
+        text=" word" * max_tokens,
+        finish_reason="length",
+        usage=Usage(
+            prompt_tokens=10, completion_tokens=max_tokens, cached_tokens=0, recomputed_tokens=0
+        ),
+        timings=Timings(**timings, layers=[]),
+        blend=Blend(
+            recompute_ratio=0.15,
+            leading_layers=1,
+            chosen_by="request",
+            fell_back_to_full_prefill=False,
+        ),
+        chunk_tiers=[],
+        dropped_chunks=0,
+    )
 
 
 @dataclass

@@ -1,12 +1,19 @@
-"""The failover rules (pure functions, no processes): which misses mark an engine down, cost
-the request's one retry or end the attempts, the client's status, and the first event's
-deadline."""
+"""The failover rules (pure functions, no processes): what an engine's status means, which
+misses mark an engine down, cost the request's one retry or end the attempts, the client's
+status and Retry-After, and the first event's deadline."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.failover import Miss, after_miss, final_status, first_event_deadline_s
+from gateway.failover import (
+    Miss,
+    after_miss,
+    final_status,
+    first_event_deadline_s,
+    miss_of_status,
+    soonest_retry_after_s,
+)
 
 
 @pytest.mark.parametrize("miss", [Miss.UNREACHABLE, Miss.NOT_READY, Miss.BUSY])
@@ -67,3 +74,21 @@ def test_the_own_prefill_is_bounded_by_the_engines_context():
 
 def test_an_unmeasured_prefill_speed_adds_nothing():
     assert first_event_deadline_s(10.0, 1.5, 4_000, None, None) == 11.5
+
+
+@pytest.mark.parametrize(
+    ("status", "miss"),
+    [(503, Miss.NOT_READY), (429, Miss.BUSY), (500, Miss.FAILED), (502, Miss.FAILED)],
+)
+def test_an_engines_refusal_is_a_miss_that_may_go_to_the_next_engine(status, miss):
+    assert miss_of_status(status) is miss
+
+
+@pytest.mark.parametrize("status", [200, 400, 404, 413, 422])
+def test_a_success_or_a_request_error_is_no_miss(status):
+    assert miss_of_status(status) is None
+
+
+def test_a_request_every_engine_refused_is_retried_after_the_soonest_wait():
+    assert soonest_retry_after_s(["5", None, "2", "soon"]) == "2"
+    assert soonest_retry_after_s([None, "later"]) == "1"

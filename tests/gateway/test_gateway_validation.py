@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from common.limits import MAX_STOP_CHARS
+from common.contract import MAX_STOP_CHARS
 
 CHAT = {"messages": [{"role": "user", "content": "Kessa pass?"}], "max_tokens": 2}
 

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
+from common.contract import GenerateBody, GenerateResponse
 from common.errors import error_body
 from common.request_id import request_id_var
 from common.sse import sse
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
-from engine.api.schemas import GenerateBody, GenerateResponse, error_responses
+from engine.api.schemas import error_responses, response_of, to_request
 from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
 from engine.streaming import Generation
 from engine.types import GenerateResult, Mode
@@ -42,7 +43,7 @@ async def generate(
         )
     check_text_limits(body.texts(), settings.max_text_chars)
     try:
-        request = body.to_request()
+        request = to_request(body)
         # Tokenizing a long prompt takes seconds: on a thread, so that the event loop keeps
         # serving /health and the streams in flight. Length errors are a 422 before queueing.
         layout = await asyncio.to_thread(engine.layout, request)
@@ -70,7 +71,7 @@ async def generate(
         metrics.errors.labels("generation").inc()
         raise HTTPException(500, detail=generation_failed()) from exc
     _record(metrics, request.mode, result)
-    return GenerateResponse.from_result(result)
+    return response_of(result)
 
 
 def generation_failed() -> str:
@@ -101,7 +102,7 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
         async for event in generation:
             if isinstance(event, GenerateResult):
                 _record(metrics, mode, event)
-                yield sse(GenerateResponse.from_result(event).model_dump(), "result")
+                yield sse(response_of(event).model_dump(), "result")
             elif event.text:
                 yield sse({"text": event.text}, "delta")
     except Exception:

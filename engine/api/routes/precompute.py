@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException
 
+from common.contract import PrecomputeRequest, PrecomputeResponse
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
-from engine.api.schemas import PrecomputeRequest, PrecomputeResponse, error_responses
+from engine.api.schemas import error_responses
 from engine.errors import InvalidRequestError
 from engine.types import Chunk
 

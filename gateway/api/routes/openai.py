@@ -14,15 +14,8 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from common.sse import sse
-from gateway.api.deps import (
-    ApiKeyDep,
-    PipelineDep,
-    SettingsDep,
-    key_name,
-    query_collections,
-    resolve_max_tokens,
-    resolve_top_k,
-)
+from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
+from gateway.api.rag import rag_request
 from gateway.api.responses import GENERATION_ERRORS, KEYED
 from gateway.api.schemas.openai import (
     ChatChoice,
@@ -46,7 +39,7 @@ from gateway.auth import ApiKey
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import Pipeline, TimedStream
 from gateway.settings import GatewaySettings
-from gateway.types import EngineRequest, EngineResult
+from gateway.types import EngineResult
 
 router = APIRouter(tags=["openai"])
 log = logging.getLogger(__name__)
@@ -158,64 +151,44 @@ async def _start(
     settings: GatewaySettings,
     key: ApiKey | None,
 ) -> _Run:
-    top_k = resolve_top_k(body.rag.top_k, settings)
-    max_tokens = resolve_max_tokens(body.token_limit, settings, pipeline.engines.max_model_len)
-    collections = query_collections(body.rag.collections, key)
-    log.info(
-        "%s top_k=%d collections=%s key=%s", request.url.path, top_k, collections, key_name(key)
-    )
-    sources, _ = await pipeline.retrieve(
+    rag = rag_request(
         question,
-        top_k,
-        body.rag.doc_ids,
-        collections,
-        request_id=request.state.request_id,
-        retrieval=body.rag.retrieval,
-        hops=body.rag.hops or settings.default_hops,
-    )
-    generation = EngineRequest(
-        question=question,
-        sources=tuple(sources),
-        mode=body.rag.mode,
-        recompute_ratio=body.rag.recompute_ratio,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        system,
+        body.rag,
+        body,
+        max_tokens=body.token_limit,
         stop=body.stop_list,
-        system=system,
-        chunk_order=body.rag.chunk_order or settings.chunk_order,
+        settings=settings,
+        key=key,
+        max_model_len=pipeline.engines.max_model_len,
     )
-    stream, stack = await open_generation(pipeline, generation, request)
-    return _Run(stream, stack, generation, collections, body.model or settings.model_name)
+    log.info(
+        "%s top_k=%d collections=%s key=%s",
+        request.url.path,
+        rag.top_k,
+        rag.collections,
+        key_name(key),
+    )
+    stream, stack = await open_generation(pipeline, rag, request)
+    return _Run(stream, stack, body.model or settings.model_name)
 
 
 class _Run:
     """One open generation of an OpenAI route, answered as JSON or as a chunk stream."""
 
-    def __init__(
-        self,
-        stream: TimedStream,
-        stack: AsyncExitStack,
-        generation: EngineRequest,
-        collections: list[str] | None,
-        model: str,
-    ):
-        self.stream, self.stack, self.generation = stream, stack, generation
-        self.collections, self.model = collections, model
+    def __init__(self, stream: TimedStream, stack: AsyncExitStack, model: str):
+        self.stream, self.stack, self.model = stream, stack, model
+        self.generation = stream.generation
         self.created = int(time.time())
 
     def rag_info(self, outcome: EngineResult) -> RagInfo:
-        timings = {k: v for k, v in outcome.timings.items() if k != "layers"}
+        timings = outcome.timings.model_dump(exclude={"layers"})
         return RagInfo(
             sources=[SourceOut.of(s) for s in self.generation.used_sources(outcome.dropped_chunks)],
             dropped_sources=outcome.dropped_chunks,
-            collections=self.collections,
+            collections=self.generation.rag.collections,
             mode=self.generation.mode,
-            recomputed_tokens=outcome.usage["recomputed_tokens"],
+            recomputed_tokens=outcome.usage.recomputed_tokens,
             engine=outcome.engine,
             timings={**timings, "gateway_ttft_s": self.stream.ttft_s},
         )

@@ -14,16 +14,8 @@ from starlette.background import BackgroundTask
 
 from common.errors import error_body
 from common.sse import sse
-from gateway.api.deps import (
-    ApiKeyDep,
-    PipelineDep,
-    RequestIdDep,
-    SettingsDep,
-    key_name,
-    query_collections,
-    resolve_max_tokens,
-    resolve_top_k,
-)
+from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
+from gateway.api.rag import rag_request
 from gateway.api.responses import GENERATION_ERRORS
 from gateway.api.schemas.query import QueryRequest, QueryResponse, SourceOut
 from gateway.api.streaming import (
@@ -33,7 +25,7 @@ from gateway.api.streaming import (
 )
 from gateway.errors import GatewayDependencyError
 from gateway.pipeline import TimedStream
-from gateway.types import EngineRequest, EngineResult, Source
+from gateway.types import EngineResult
 
 router = APIRouter(tags=["query"])
 log = logging.getLogger(__name__)
@@ -45,53 +37,37 @@ async def query(
     request: Request,
     pipeline: PipelineDep,
     settings: SettingsDep,
-    request_id: RequestIdDep,
     key: ApiKeyDep,
 ):
-    top_k = resolve_top_k(body.top_k, settings)
-    max_tokens = resolve_max_tokens(body.max_tokens, settings, pipeline.engines.max_model_len)
-    collections = query_collections(body.collections, key)
-    log.info("query top_k=%d collections=%s key=%s", top_k, collections, key_name(key))
-    sources, retrieval_s = await pipeline.retrieve(
+    rag = rag_request(
         body.question,
-        top_k,
-        body.doc_ids,
-        collections,
-        request_id=request_id,
-        retrieval=body.retrieval,
-        hops=body.hops or settings.default_hops,
-    )
-    generation = EngineRequest(
-        question=body.question,
-        sources=tuple(sources),
-        mode=body.mode,
-        recompute_ratio=body.recompute_ratio,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        chunk_order=body.chunk_order or settings.chunk_order,
-        top_p=body.top_p,
-        seed=body.seed,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        None,
+        body,
+        body,
+        max_tokens=body.max_tokens,
         stop=tuple(body.stop or ()),
+        settings=settings,
+        key=key,
+        max_model_len=pipeline.engines.max_model_len,
     )
-    stream, stack = await open_generation(pipeline, generation, request)
+    log.info("query top_k=%d collections=%s key=%s", rag.top_k, rag.collections, key_name(key))
+    stream, stack = await open_generation(pipeline, rag, request)
+    generation = stream.generation
 
     def response(outcome: EngineResult) -> QueryResponse:
         return QueryResponse.of(
             outcome,
             body.mode,
             generation.used_sources(outcome.dropped_chunks),
-            retrieval_s=retrieval_s,
+            retrieval_s=stream.retrieval_s,
             ttft_s=stream.ttft_s,
             total_s=time.perf_counter() - request.state.arrived_at,
-            request_id=request_id,
+            request_id=request.state.request_id,
         )
 
     if body.stream:
         return StreamingResponse(
-            _events(stream, stack, sources, response),
+            _events(stream, stack, response),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, "X-RAGBlend-Engine": stream.engine},
             background=BackgroundTask(stack.aclose),
@@ -106,11 +82,11 @@ async def query(
 async def _events(
     stream: TimedStream,
     stack: AsyncExitStack,
-    sources: list[Source],
     response: Callable[[EngineResult], QueryResponse],
 ) -> AsyncIterator[str]:
     """`sources` lists what was retrieved; the `result` lists what the prompt kept."""
     async with stack:
+        sources = stream.generation.sources
         yield sse({"sources": [SourceOut.of(s).model_dump() for s in sources]}, "sources")
         try:
             async for event in stream.events():

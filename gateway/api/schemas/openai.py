@@ -7,25 +7,29 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.limits import MAX_HOPS, MAX_QUESTION_CHARS
+from common.contract import (
+    MAX_QUESTION_CHARS,
+    AdditivePenalty,
+    ChunkOrder,
+    Collections,
+    DocIds,
+    Hops,
+    Mode,
+    Ratio,
+    RepetitionPenalty,
+    RetrievalName,
+    StopString,
+    TopP,
+    Usage,
+)
 from common.validation import Seed, Text
 from gateway.api.schemas.query import (
     CHUNK_ORDER_DESCRIPTION,
     HOPS_DESCRIPTION,
     PENALTY_DESCRIPTION,
     RETRIEVAL_DESCRIPTION,
-    AdditivePenalty,
-    Collections,
-    DocIds,
-    ModeName,
-    Ratio,
-    RepetitionPenalty,
-    RetrievalName,
     SourceOut,
-    StopText,
-    TopP,
 )
-from gateway.types import ChunkOrderName
 
 MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
@@ -40,15 +44,15 @@ class RagOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     top_k: int | None = Field(None, ge=1)
-    mode: ModeName = "cacheblend"
+    mode: Mode = Mode.CACHEBLEND
     recompute_ratio: Ratio | None = None
     doc_ids: DocIds | None = None
     collections: Collections | None = Field(
         None, description="search only these (default: all the API key may use)"
     )
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
-    hops: int | None = Field(None, ge=1, le=MAX_HOPS, description=HOPS_DESCRIPTION)
-    chunk_order: ChunkOrderName | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
+    hops: Hops | None = Field(None, description=HOPS_DESCRIPTION)
+    chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
 
 
 class StreamOptions(BaseModel):
@@ -87,7 +91,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
     # vLLM's extension of the OpenAI API.
     repetition_penalty: RepetitionPenalty | None = Field(None, description=PENALTY_DESCRIPTION)
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_OPENAI_STOP)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_OPENAI_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     rag: RagOptions = Field(default_factory=RagOptions)
@@ -132,12 +136,12 @@ class OpenAIUsage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, usage: dict[str, int]) -> OpenAIUsage:
+    def of(cls, usage: Usage) -> OpenAIUsage:
         return cls(
-            prompt_tokens=usage["prompt_tokens"],
-            completion_tokens=usage["completion_tokens"],
-            total_tokens=usage["prompt_tokens"] + usage["completion_tokens"],
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage["cached_tokens"]),
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.prompt_tokens + usage.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
         )
 
 
@@ -147,7 +151,7 @@ class RagInfo(BaseModel):
     sources: list[SourceOut] = Field(description="the sources in the prompt, best first")
     dropped_sources: int = Field(description="retrieved sources left out so the prompt fit")
     collections: list[str] | None = Field(description="the collections searched (None: all)")
-    mode: ModeName
+    mode: Mode
     recomputed_tokens: int
     engine: str = Field(description="name of the engine that answered (engine-0, engine-1…)")
     timings: dict[str, Any]

@@ -9,8 +9,9 @@ import time
 from fastapi import APIRouter, HTTPException
 from starlette.concurrency import run_in_threadpool
 
+from common.contract import SearchRequest, SearchResponse, SearchResult
 from retriever.api.deps import MetricsDep, ServiceDep, SettingsDep
-from retriever.api.schemas import SearchRequest, SearchResponse, SearchResult, error_responses
+from retriever.api.schemas import error_responses
 from retriever.service import UnknownDocumentError
 
 router = APIRouter(prefix="/v1", tags=["search"])

@@ -1,0 +1,50 @@
+"""The RagRequest of a generating route's body: its defaults filled in from the settings and
+the API key, and the limits that are settings checked (422, or 403 for a collection)."""
+
+from __future__ import annotations
+
+from common.contract import ChunkOrder
+from gateway.api.deps import query_collections, resolve_max_tokens, resolve_top_k
+from gateway.api.schemas.openai import ChatCompletionRequest, CompletionRequest, RagOptions
+from gateway.api.schemas.query import QueryRequest
+from gateway.auth import ApiKey
+from gateway.settings import GatewaySettings
+from gateway.types import RagRequest
+
+
+def rag_request(
+    question: str,
+    system: str | None,
+    options: QueryRequest | RagOptions,
+    sampling: QueryRequest | ChatCompletionRequest | CompletionRequest,
+    *,
+    max_tokens: int | None,
+    stop: tuple[str, ...],
+    settings: GatewaySettings,
+    key: ApiKey | None,
+    max_model_len: int | None,
+) -> RagRequest:
+    """`options`: what to retrieve and how to blend (the /v1/query body, or an OpenAI body's
+    `rag`); `sampling`: the body's sampling fields."""
+    top_k = resolve_top_k(options.top_k, settings)
+    resolved_max_tokens = resolve_max_tokens(max_tokens, settings, max_model_len)
+    return RagRequest(
+        question=question,
+        top_k=top_k,
+        doc_ids=options.doc_ids,
+        collections=query_collections(options.collections, key),
+        retrieval=options.retrieval,
+        hops=options.hops or settings.default_hops,
+        system=system,
+        mode=options.mode,
+        recompute_ratio=options.recompute_ratio,
+        max_tokens=resolved_max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        stop=stop,
+        chunk_order=options.chunk_order or ChunkOrder(settings.chunk_order),
+    )
