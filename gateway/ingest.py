@@ -116,7 +116,8 @@ class IngestTracker:
                 stored, skipped = result.stored, result.skipped
                 status.engines[engine.name] = f"stored {stored}, skipped {skipped}"
         # One engine is enough to call it ready: an engine that missed the precompute computes
-        # those chunks in full on first use and stores them then (DESIGN.md section 3, step 4).
+        # those chunks in full on first use and stores them then (docs/design.md, "A chunk
+        # without KV").
         if ok:
             self._finish(status, "ready", None)
         else:

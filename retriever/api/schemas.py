@@ -1,5 +1,5 @@
-"""Request and response bodies of the retriever HTTP API (DESIGN.md section 2), one model
-per direction, converted at the routes into the domain's dataclasses."""
+"""Request and response bodies of the retriever HTTP API (docs/design.md, "HTTP contracts"), one
+model per direction, converted at the routes into the domain's dataclasses."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The blend invariants of DESIGN.md §3, on tiny float32 models of every supported family."""
+"""The blend invariants (docs/design.md, "The layer loop"), on tiny float32 models of every
+supported family."""
 
 from __future__ import annotations
 
