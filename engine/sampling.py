@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
-SEED_SPACE = 2**64  # torch seeds are unsigned 64-bit
+SEED_SPACE = 2**64  # a request's seed is any int, taken modulo 2**64
+_LOW = 2**32 - 1
+_GOLDEN = 0x9E3779B1  # odd, so multiplying by it is a bijection modulo 2**32
+
+
+def generator_seed(seed: int) -> int:
+    """The seed given to torch's CPU generator, whose mt19937 keeps only the low 32 bits of it:
+    the high half is folded into the low one (a bijection for each low half), so seeds that
+    differ only above bit 31 do not sample alike. Seeds in [0, 2**32) are kept as they are."""
+    seed %= SEED_SPACE
+    return (seed & _LOW) ^ (((seed >> 32) * _GOLDEN) & _LOW)
 
 
 class Sampler:
@@ -16,8 +26,7 @@ class Sampler:
         if seed is None:
             self.generator.seed()
         else:
-            # Any int seed, negative included, maps to one torch seed (the same one every time).
-            self.generator.manual_seed(seed % SEED_SPACE)
+            self.generator.manual_seed(generator_seed(seed))
 
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from logits [vocab]; any temperature > 0 and top_p in (0, 1] are safe:

@@ -10,7 +10,7 @@ import torch
 
 from demo.tiny import FAMILIES
 from engine.detokenize import IncrementalText
-from engine.sampling import Sampler
+from engine.sampling import Sampler, generator_seed
 from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
 
 
@@ -177,3 +177,16 @@ def test_every_int_seed_is_accepted_and_deterministic(seed):
     logits = torch.linspace(0, 1, 50)
     first, second = Sampler(1.0, 1.0, seed), Sampler(1.0, 1.0, seed)
     assert [first(logits) for _ in range(10)] == [second(logits) for _ in range(10)]
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**63 - 1])
+def test_seeds_that_differ_only_above_bit_31_sample_differently(seed):
+    logits = torch.zeros(1000)
+    draws = [Sampler(1.0, 1.0, seed + k * 2**32) for k in range(4)]
+    samples = [tuple(sampler(logits) for _ in range(8)) for sampler in draws]
+    assert len(set(samples)) == 4
+
+
+def test_seeds_below_2_to_the_32_reach_the_generator_unchanged():
+    assert [generator_seed(s) for s in (0, 1, 2**32 - 1)] == [0, 1, 2**32 - 1]
+    assert generator_seed(-1) == generator_seed(2**64 - 1)
