@@ -48,3 +48,24 @@ def rag_request(
         stop=stop,
         chunk_order=options.chunk_order or ChunkOrder(settings.chunk_order),
     )
+
+
+def query_rag_request(
+    body: QueryRequest,
+    *,
+    settings: GatewaySettings,
+    key: ApiKey | None,
+    max_model_len: int | None,
+) -> RagRequest:
+    """The RagRequest of a /v1/query body: it carries both the options and the sampling."""
+    return rag_request(
+        body.question,
+        None,
+        body,
+        body,
+        max_tokens=body.max_tokens,
+        stop=tuple(body.stop or ()),
+        settings=settings,
+        key=key,
+        max_model_len=max_model_len,
+    )

@@ -7,7 +7,7 @@ import pytest
 from fastapi import HTTPException
 
 from common.contract import ChunkOrder, Mode
-from gateway.api.rag import rag_request
+from gateway.api.rag import query_rag_request, rag_request
 from gateway.api.schemas.openai import ChatCompletionRequest
 from gateway.api.schemas.query import QueryRequest
 from gateway.auth import ApiKey
@@ -17,17 +17,7 @@ SETTINGS = GatewaySettings(default_top_k=3, default_hops=2, chunk_order="best_la
 
 
 def of_query(body: QueryRequest, key: ApiKey | None = None, max_model_len: int | None = None):
-    return rag_request(
-        body.question,
-        None,
-        body,
-        body,
-        max_tokens=body.max_tokens,
-        stop=tuple(body.stop or ()),
-        settings=SETTINGS,
-        key=key,
-        max_model_len=max_model_len,
-    )
+    return query_rag_request(body, settings=SETTINGS, key=key, max_model_len=max_model_len)
 
 
 def test_a_query_without_options_takes_the_settings_defaults():

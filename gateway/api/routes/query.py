@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 from common.errors import error_body
 from common.sse import sse
 from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
-from gateway.api.rag import rag_request
+from gateway.api.rag import query_rag_request
 from gateway.api.responses import GENERATION_ERRORS
 from gateway.api.schemas.query import QueryRequest, QueryResponse, SourceOut
 from gateway.api.streaming import (
@@ -39,16 +39,8 @@ async def query(
     settings: SettingsDep,
     key: ApiKeyDep,
 ):
-    rag = rag_request(
-        body.question,
-        None,
-        body,
-        body,
-        max_tokens=body.max_tokens,
-        stop=tuple(body.stop or ()),
-        settings=settings,
-        key=key,
-        max_model_len=pipeline.engines.max_model_len,
+    rag = query_rag_request(
+        body, settings=settings, key=key, max_model_len=pipeline.engines.max_model_len
     )
     log.info("query top_k=%d collections=%s key=%s", rag.top_k, rag.collections, key_name(key))
     stream, stack = await open_generation(pipeline, rag, request)
