@@ -194,7 +194,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.plot(
             [r["prefill_vs_full_median"] for r in line],
             [r["tf_kl_mean"] for r in line],
-            styles[selection],
+            styles.get(selection, "^-."),
             color=color,
             alpha=1.0 if selection == Selection.HKVD.value else 0.6,
             label=f"cacheblend {selection}, check layer {layer}",

@@ -34,11 +34,28 @@ MAX_GENERATE_CHUNKS = 1_000
 MAX_PRECOMPUTE_CHUNKS = 10_000
 
 
+# The recompute_ratio that lets the check layer choose r by quality (docs/quality.md).
+AUTO_RATIO = "auto"
+
+
 class Mode(StrEnum):
     CACHEBLEND = "cacheblend"
     FULL_PREFILL = "full_prefill"
     PREFIX_CACHE = "prefix_cache"
     FULL_REUSE = "full_reuse"
+
+
+class Selection(StrEnum):
+    """How cacheblend's check layers pick the chunk tokens to recompute (docs/quality.md,
+    "Token selection"): each is a pure function in engine/selection.py."""
+
+    HKVD = "hkvd"  # the largest KV deviation from the cached KV (CacheBlend)
+    RANDOM = "random"  # a seeded random pick of the same budget: a baseline, not for serving
+    SINK = "sink"  # the first tokens of each chunk (EPIC's LegoLink: each chunk's sink)
+    QUERY = "query"  # the tokens the question's queries attend to most
+    QUERY_HKVD = "query_hkvd"  # half the budget by the question's attention, half by HKVD
+    SINK_HKVD = "sink_hkvd"  # a few first tokens of each chunk, the rest by HKVD
+    WEIGHTED = "weighted"  # KV deviation weighted by the question's attention
 
 
 class ChunkOrder(StrEnum):

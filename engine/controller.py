@@ -116,15 +116,20 @@ class Controller:
             )
 
     def decide(
-        self, num_tokens: int, layer_bytes_by_tier: dict[str, int], num_layers: int
+        self,
+        num_tokens: int,
+        layer_bytes_by_tier: dict[str, int],
+        num_layers: int,
+        min_ratio: float | None = None,
     ) -> Decision:
         """Ratio and leading layers for a prompt whose full prefill computes `num_tokens` tokens
         (what no cache holds exactly) and whose chunk KV takes `layer_bytes_by_tier` bytes per
-        layer."""
+        layer; the ratio is at least `min_ratio` (None: the controller's floor)."""
+        floor = self.min_ratio if min_ratio is None else min_ratio
         with self._lock:
             compute_s = (self.token_layer_s or 0.0) * num_tokens
             load_s = sum(n * self._estimate(tier) for tier, n in layer_bytes_by_tier.items())
-        return decide(compute_s, load_s, num_layers, self.min_ratio, self.min_leading_layers)
+        return decide(compute_s, load_s, num_layers, floor, self.min_leading_layers)
 
     def _estimate(self, tier: str) -> float:
         """Seconds per byte of `tier`; a tier never heard of counts as the slowest known."""

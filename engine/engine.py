@@ -132,7 +132,13 @@ class Engine:
     def prefill(self, request: GenerateRequest) -> Prefill:
         """Lay out the request's prompt and build its KV cache in fresh tensors (not the pool),
         outside the serving loop (tests and benchmarks)."""
-        return self.prefiller.prefill(self.layout(request), request.mode, request.recompute_ratio)
+        return self.prefiller.prefill(
+            self.layout(request),
+            request.mode,
+            request.recompute_ratio,
+            selection=request.selection,
+            max_recompute_ratio=request.max_recompute_ratio,
+        )
 
     def start(self, request: GenerateRequest, layout: PromptLayout | None = None) -> Generation:
         """Queue a generation; iterate the returned object on the calling event loop. `layout`

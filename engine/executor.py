@@ -54,7 +54,12 @@ class Executor:
             for seq in seqs:
                 request = seq.request
                 ahead.append(
-                    self.prefiller.open_ahead(seq.layout, request.mode, request.recompute_ratio)
+                    self.prefiller.open_ahead(
+                        seq.layout,
+                        request.mode,
+                        request.recompute_ratio,
+                        request.max_recompute_ratio,
+                    )
                     if len(seqs) > 1
                     else None
                 )
@@ -77,6 +82,8 @@ class Executor:
                 request.recompute_ratio,
                 self.runner.slot_kv(seq.slot, num_tokens),
                 opened,
+                selection=request.selection,
+                max_recompute_ratio=request.max_recompute_ratio,
             )
         except Exception as exc:
             log.exception("prefill failed")

@@ -101,6 +101,9 @@ class LayerOps:
         """How every layer attends from these sorted, unique query positions (AttentionPlan)."""
         return AttentionPlan(query_positions, self.dtype, self.device)
 
+    def attention_scale(self, index: int) -> float:
+        return float(self.blocks[index].self_attn.scaling)
+
     def attend(
         self,
         index: int,
@@ -115,7 +118,7 @@ class LayerOps:
         positions <= p (and inside the sliding window, if the layer has one).
         """
         window = self.windows[index]
-        scale = self.blocks[index].self_attn.scaling
+        scale = self.attention_scale(index)
         parts = []
         for span in plan.spans:
             if span.causal and (window is None or span.key_end <= window):

@@ -17,13 +17,14 @@ class EngineOptions:
     free GPU memory, or a quarter of the available RAM), so fewer slots may fit. Up to
     `max_waiting` more requests queue beyond the free slots; past that `start()` raises
     QueueFullError. `shadow` samples blended requests for shadow checks (engine/shadow.py).
-    `selection` picks the tokens cacheblend recomputes: HKVD (CacheBlend's), or `random` of the
-    same budget, a research baseline. `default_penalties` apply to requests that leave a
-    penalty unset.
+    `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
+    research baseline). `recompute_ratio="auto"` (or a request's) lets the check layer keep
+    the tokens that cover `auto_coverage` of the selection's mass, at most `auto_max_ratio`.
+    `default_penalties` apply to requests that leave a penalty unset.
     """
 
     check_layers: tuple[int, ...] = (1,)
-    recompute_ratio: float | None = None
+    recompute_ratio: float | str | None = None
     min_recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     system_prompt: str | None = None
     prefix_cache_entries: int = 16
@@ -35,6 +36,8 @@ class EngineOptions:
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection = Selection.HKVD
+    auto_coverage: float = 0.5
+    auto_max_ratio: float = 0.5
     default_penalties: Penalties = NO_PENALTIES
 
     def check_layers_of(self, num_layers: int) -> tuple[int, ...]:

@@ -30,10 +30,25 @@ class PrefillPlan:
     check_layers: tuple[int, ...]
     keep_pre_rope_keys: bool = False
     selection: Selection = Selection.HKVD  # how the check layers pick tokens to recompute
+    # The auto ratio: the last check layer keeps what covers this share of the selection's
+    # mass, between min_ratio and recompute_ratio (the bound). None: exactly recompute_ratio.
+    coverage: float | None = None
+    min_ratio: float = 0.0
+    # Research only (engine/oracle.py): a score per blended token, in blend_positions order,
+    # that ranks them instead of the selection.
+    token_scores: tuple[float, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def suffix_start(self) -> int:
+        """The first position after the chunks: the question and the answer's header."""
+        if not self.chunk_spans:
+            return self.prefix_len
+        start, length = self.chunk_spans[-1]
+        return start + length
 
     @property
     def streamed_chunks(self) -> list[int]:
@@ -54,15 +69,10 @@ class PrefillPlan:
     def always_computed_positions(self) -> list[int]:
         """Positions computed in every layer: uncached prefix, uncached chunks, the suffix."""
         prefix = [] if self.prefix_cached else list(range(self.prefix_len))
-        suffix_start = (
-            self.chunk_spans[-1][0] + self.chunk_spans[-1][1]
-            if self.chunk_spans
-            else self.prefix_len
-        )
         return (
             prefix
             + self._positions(ChunkSource.COMPUTE)
-            + list(range(suffix_start, self.num_tokens))
+            + list(range(self.suffix_start, self.num_tokens))
         )
 
     def _positions(self, source: ChunkSource) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,16 @@ from kvstore.store import KVStore
 from kvstore.types import ChunkKV, chunk_key
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _BlendAsk:
+    """What a prefill's caller asks of the blend, defaults filled in but the selection's."""
+
+    ratio: float | str | None
+    selection: Selection
+    max_ratio: float | None
+    token_scores: tuple[float, ...] | None
 
 
 @dataclass
@@ -102,12 +112,16 @@ class Prefiller:
         prefix_cache: PrefixCache | None = None,
         kv_read_delay_s: float = 0.0,
         selection: Selection = Selection.HKVD,
+        auto_coverage: float = 0.5,
+        auto_max_ratio: float = 0.5,
     ):
         self.ops = ops
         self.store = store
         self.fingerprint = fingerprint
         self.chunk_prefix = chunk_prefix
-        self.ratios = RatioPolicy(ops, check_layers, controller, recompute_ratio)
+        self.ratios = RatioPolicy(
+            ops, check_layers, controller, recompute_ratio, auto_coverage, auto_max_ratio
+        )
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.kv_read_delay_s = kv_read_delay_s
         self.selection = selection
@@ -133,6 +147,8 @@ class Prefiller:
             PrefixCache(options.prefix_cache_entries, store, fingerprint),
             options.kv_read_delay_s,
             options.selection,
+            options.auto_coverage,
+            options.auto_max_ratio,
         )
 
     @property
@@ -167,18 +183,27 @@ class Prefiller:
         self,
         layout: PromptLayout,
         mode: Mode,
-        recompute_ratio: float | None = None,
+        recompute_ratio: float | str | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
         opened: KVLayerStream | None = None,
+        *,
+        selection: Selection | None = None,
+        max_recompute_ratio: float | None = None,
+        token_scores: tuple[float, ...] | None = None,
     ) -> Prefill:
         """Build the KV cache of a laid-out prompt, into `out` when given.
 
         `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
-        engine has none. A missing chunk is computed in full; a chunk that turns out bad while
-        streaming is dropped and the prefill runs again without it, so a bad entry never fails
-        a request. `opened` is the stream `open_ahead` returned for this prompt (the prefill
-        takes it over and closes it; a retry opens a fresh one).
+        engine has none; "auto" lets the check layer choose, at most `max_recompute_ratio`.
+        `selection=None` takes the engine's; `token_scores` (research: an oracle's, one per
+        blended token) rank the tokens instead. A missing chunk is computed in full; a chunk
+        that turns out bad while streaming is dropped and the prefill runs again without it,
+        so a bad entry never fails a request. `opened` is the stream `open_ahead` returned for
+        this prompt (the prefill takes it over and closes it; a retry opens a fresh one).
         """
+        blend = _BlendAsk(
+            recompute_ratio, selection or self.selection, max_recompute_ratio, token_scores
+        )
         start = time.perf_counter()
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         reuse = mode is not Mode.FULL_PREFILL
@@ -186,12 +211,11 @@ class Prefiller:
         excluded: set[str] = set()
         while True:
             if opened is None:
-                opened = self._open(
-                    mode, keys, excluded, self.ratios.first_layer(mode, recompute_ratio)
-                )
+                first = self.ratios.first_layer(mode, recompute_ratio, max_recompute_ratio)
+                opened = self._open(mode, keys, excluded, first)
             stream, opened = opened, None
             try:
-                attempt = self._attempt(layout, mode, recompute_ratio, prefix_kv, stream, out)
+                attempt = self._attempt(layout, mode, blend, prefix_kv, stream, out)
                 break
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
@@ -215,7 +239,7 @@ class Prefiller:
         self,
         layout: PromptLayout,
         mode: Mode,
-        requested: float | None,
+        blend: _BlendAsk,
         prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
         out: tuple[torch.Tensor, torch.Tensor] | None,
@@ -225,17 +249,24 @@ class Prefiller:
         num_chunks = len(layout.chunks)
         present = stream.present if stream is not None else [False] * num_chunks
         tiers: list[str | None] = stream.tiers if stream is not None else [None] * num_chunks
-        choice = self.ratios.choose(layout, mode, requested, tiers, prefix_kv is not None)
+        choice = self.ratios.choose(
+            layout, mode, blend.ratio, tiers, prefix_kv is not None, blend.max_ratio
+        )
         if choice.full_prefill:
             return self._fallback(layout, choice, prefix_kv, stream, out, present, tiers)
-        plan = plan_prefill(
-            layout,
-            mode,
-            present,
-            prefix_kv is not None,
-            choice.recompute_ratio,
-            choice.check_layers,
-            self.selection,
+        plan = replace(
+            plan_prefill(
+                layout,
+                mode,
+                present,
+                prefix_kv is not None,
+                choice.recompute_ratio,
+                choice.check_layers,
+                blend.selection,
+            ),
+            coverage=choice.coverage,
+            min_ratio=choice.min_ratio,
+            token_scores=blend.token_scores,
         )
         used = stream if plan.streamed_chunks else None
         if used is not None:
@@ -277,11 +308,16 @@ class Prefiller:
             for c, found in zip(layout.chunks, attempt.present, strict=True)
             if blends and not found
         ]
+        ratio = plan.recompute_ratio
+        if plan.coverage is not None:
+            blended = plan.count_tokens(ChunkSource.BLEND)
+            ratio = attempt.output.num_selected / blended if blended else 0.0
         blend = Blend(
-            plan.recompute_ratio,
+            ratio,
             plan.check_layers[0] if plan.check_layers else 0,
             attempt.choice.chosen_by,
             attempt.choice.full_prefill,
+            "oracle" if plan.token_scores is not None else plan.selection.value,
         )
         return Prefill(
             layout,
@@ -296,12 +332,17 @@ class Prefiller:
         )
 
     def open_ahead(
-        self, layout: PromptLayout, mode: Mode, recompute_ratio: float | None = None
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        recompute_ratio: float | str | None = None,
+        max_recompute_ratio: float | None = None,
     ) -> KVLayerStream | None:
         """The stream `prefill` would open first for this prompt, opened now: the store's one
         loader reads its first layers while the prompts ahead of it in the step compute."""
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
-        return self._open(mode, keys, set(), self.ratios.first_layer(mode, recompute_ratio))
+        first = self.ratios.first_layer(mode, recompute_ratio, max_recompute_ratio)
+        return self._open(mode, keys, set(), first)
 
     def _open(
         self, mode: Mode, keys: list[str], excluded: set[str], first_layer: int

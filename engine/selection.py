@@ -1,5 +1,5 @@
-"""Which chunk tokens to recompute: the deviation measure and top-k selection of CacheBlend,
-and a seeded random pick of the same budget as a research baseline.
+"""Which chunk tokens to recompute: the scores a check layer ranks them by (KV deviation, the
+question's attention, position in the chunk), the pick of each Selection, and the budget.
 
 Pure functions on ints and small tensors, tested on their own.
 """
@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
-from enum import StrEnum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from common.contract import Selection
 
-class Selection(StrEnum):
-    """How the check layers pick the chunk tokens to recompute."""
-
-    HKVD = "hkvd"  # the tokens whose KV deviates most from the cached KV (CacheBlend)
-    RANDOM = "random"  # a seeded random pick of the same budget: a baseline for HKVD
+__all__ = ["CheckScores", "Selection", "select"]
 
 
 def ratio_schedule(ratio: float, num_checks: int) -> list[float]:
@@ -69,3 +66,88 @@ def select_random(num_tokens: int, budget: int, generator: torch.Generator) -> t
     if budget >= num_tokens:
         return torch.arange(num_tokens)
     return torch.randperm(num_tokens, generator=generator)[:budget].sort().values
+
+
+def query_attention(
+    queries: torch.Tensor, keys: torch.Tensor, query_positions: Sequence[int], scale: float
+) -> torch.Tensor:
+    """Attention the queries pay to each key, averaged over heads and queries: [T] float32.
+
+    queries [H, s, D] at `query_positions` (rotated), keys [H_kv, T, D] (rotated); a query sees
+    the keys at positions up to its own.
+    """
+    num_heads, num_kv_heads = queries.shape[0], keys.shape[0]
+    expanded = keys.float().repeat_interleave(num_heads // num_kv_heads, dim=0)
+    logits = torch.einsum("hsd,htd->hst", queries.float(), expanded) * scale
+    positions = torch.tensor(query_positions, device=keys.device)
+    hidden = torch.arange(keys.shape[1], device=keys.device)[None, :] > positions[:, None]
+    probs = logits.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+    return probs.mean(dim=(0, 1))
+
+
+def sink_order(offsets: Sequence[int]) -> list[int]:
+    """Candidates by their offset in their chunk, first tokens first, earlier chunks first on a
+    tie: taking the first k of this order takes the first tokens of every chunk in turn."""
+    return sorted(range(len(offsets)), key=lambda j: (offsets[j], j))
+
+
+# SINK_HKVD's sink share: at most this many first tokens per chunk, and at most half the budget.
+SINK_TOKENS = 4
+
+
+@dataclass
+class CheckScores:
+    """What a check layer knows of its candidate tokens, each score computed on first use:
+    `deviation` and `attention` return [n] tensors; `offsets` are positions in their chunk."""
+
+    deviation: Callable[[], torch.Tensor]
+    attention: Callable[[], torch.Tensor]
+    offsets: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+def select(selection: Selection, scores: CheckScores, budget: int) -> torch.Tensor:
+    """The `budget` candidates `selection` recomputes, in ascending index order."""
+    n = len(scores.offsets)
+    if selection is Selection.RANDOM:
+        assert scores.generator is not None, "the random pick draws from the prompt's generator"
+        return select_random(n, budget, scores.generator)
+    if budget >= n:
+        return torch.arange(n)
+    if selection is Selection.HKVD:
+        return select_top(scores.deviation(), budget).cpu()
+    if selection is Selection.QUERY:
+        return select_top(scores.attention(), budget).cpu()
+    if selection is Selection.WEIGHTED:
+        return select_top(scores.deviation() * scores.attention(), budget).cpu()
+    if selection is Selection.SINK:
+        return torch.tensor(sorted(sink_order(scores.offsets)[:budget]), dtype=torch.long)
+    if selection is Selection.SINK_HKVD:
+        chunks = sum(1 for offset in scores.offsets if offset == 0)
+        first = min(budget // 2, SINK_TOKENS * chunks)
+        fixed = sink_order(scores.offsets)[:first]
+        return _complete(fixed, scores.deviation(), budget)
+    if selection is Selection.QUERY_HKVD:
+        fixed = select_top(scores.attention(), budget // 2).tolist()
+        return _complete(fixed, scores.deviation(), budget)
+    raise ValueError(f"unknown selection {selection!r}")
+
+
+def _complete(fixed: Sequence[int], ranking: torch.Tensor, budget: int) -> torch.Tensor:
+    """`fixed` plus the best of the others by `ranking`, `budget` in all, ascending."""
+    rest = ranking.float().clone()
+    rest[torch.tensor(list(fixed), dtype=torch.long, device=rest.device)] = float("-inf")
+    extra = select_top(rest, budget - len(fixed)).tolist() if budget > len(fixed) else []
+    return torch.tensor(sorted({*fixed, *extra}), dtype=torch.long)
+
+
+def coverage_budget(mass: torch.Tensor, share: float, low: int, high: int) -> int:
+    """The fewest candidates whose `mass` (non-negative) covers `share` of the total, clamped
+    to [low, high]: the auto ratio's budget (a flat mass needs many tokens, a peaked one few)."""
+    values = mass.float().clamp_min(0).sort(descending=True).values
+    total = float(values.sum())
+    if total <= 0.0:
+        return low
+    covered = values.cumsum(0) >= share * total * (1 - 1e-6)
+    needed = int(covered.to(torch.int8).argmax()) + 1
+    return max(low, min(high, needed))

@@ -9,12 +9,26 @@ import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from common.contract import MAX_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY, ChunkOrder, Mode
+from common.contract import (
+    AUTO_RATIO,
+    MAX_ADDITIVE_PENALTY,
+    MAX_REPETITION_PENALTY,
+    ChunkOrder,
+    Mode,
+    Selection,
+)
 from engine.errors import InvalidRequestError
 
 _E = TypeVar("_E", bound=StrEnum)
+
+
+def _is_ratio(value: object) -> bool:
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        and 0.0 <= value <= 1.0
+    )
 
 
 def _parse_enum(enum: type[_E], value: str | _E, field: str) -> _E:
@@ -69,13 +83,17 @@ class Chunk:
 @dataclass(frozen=True)
 class GenerateRequest:
     """One question over chunks. `recompute_ratio=None` takes the engine's default, and so
-    does each penalty left None (the engine's default penalties)."""
+    do `selection` and each penalty left None (the engine's default penalties).
+    `recompute_ratio="auto"` lets the check layer choose r by quality (docs/quality.md), at
+    most `max_recompute_ratio` (None: the engine's auto_max_ratio)."""
 
     question: str
     chunks: tuple[Chunk, ...] = ()
     system: str | None = None
     mode: Mode = Mode.CACHEBLEND
-    recompute_ratio: float | None = None
+    recompute_ratio: float | Literal["auto"] | None = None
+    selection: Selection | None = None
+    max_recompute_ratio: float | None = None
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -98,9 +116,18 @@ class GenerateRequest:
         object.__setattr__(self, "stop", tuple(self.stop))
         if not self.question.strip():
             raise InvalidRequestError("question must not be empty")
+        if self.selection is not None:
+            object.__setattr__(
+                self, "selection", _parse_enum(Selection, self.selection, "selection")
+            )
         ratio = self.recompute_ratio
-        if ratio is not None and not (math.isfinite(ratio) and 0.0 <= ratio <= 1.0):
-            raise InvalidRequestError(f"recompute_ratio must be in [0, 1], got {ratio}")
+        if ratio is not None and ratio != AUTO_RATIO and not _is_ratio(ratio):
+            raise InvalidRequestError(f"recompute_ratio must be in [0, 1] or 'auto', got {ratio}")
+        bound = self.max_recompute_ratio
+        if bound is not None and not _is_ratio(bound):
+            raise InvalidRequestError(f"max_recompute_ratio must be in [0, 1], got {bound}")
+        if bound is not None and ratio != AUTO_RATIO:
+            raise InvalidRequestError("max_recompute_ratio bounds recompute_ratio 'auto' only")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -179,10 +206,11 @@ class LayerTimes:
 class Blend:
     """How the prompt was built: the ratio used, the leading full layers, who chose them."""
 
-    recompute_ratio: float
+    recompute_ratio: float  # of the blended tokens, those recomputed (auto: what it chose)
     leading_layers: int
-    chosen_by: str  # "request", "engine" or "controller"
+    chosen_by: str  # "request", "engine", "controller" or "auto"
     fell_back_to_full_prefill: bool = False
+    selection: str = Selection.HKVD.value
 
 
 @dataclass
