@@ -38,22 +38,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.engine import Engine  # noqa: E402
+from engine.oracle import Oracle  # noqa: E402
 from engine.selection import Selection  # noqa: E402
-from engine.types import Mode  # noqa: E402
+from engine.types import AUTO_RATIO, Mode  # noqa: E402
 from evaluation.compare import Case, PromptResult, Variant, compare_prompts  # noqa: E402
 from evaluation.real_text import build_prompts  # noqa: E402
 
 log = logging.getLogger("bench.quality_real")
 
 RATIOS = (0.01, 0.05, 0.1, 0.15, 0.3, 0.5, 1.0)
-CHECK_LAYERS = (1, 2, 3)
+# Check layers: one at layer 1, one at layer 2, and gradual filtering over layers 1-3.
+CHECK_LAYERS = ("1", "2", "1,2,3")
 LAYER_RATIOS = (0.05, 0.15, 0.3)
+COVERAGES = (0.3, 0.5, 0.7)
 FIELDS = [
     "setting",
     "mode",
     "selection",
     "check_layer",
     "recompute_ratio",
+    "auto_coverage",
     "prompts",
     "prompt_tokens_mean",
     "tf_kl_mean",
@@ -61,7 +65,7 @@ FIELDS = [
     "tf_kl_ci95_low",
     "tf_kl_ci95_high",
     "tf_argmax_agreement",
-    "kl_below_random",  # share of prompts where HKVD's KL is below random's at the same r
+    "kl_below_random",  # share of prompts where the KL is below random's at the same r
     "recomputed_tokens_mean",
     "prefill_ms_median",
     "prefill_vs_full_median",
@@ -73,20 +77,56 @@ BOOTSTRAP_SAMPLES = 2000
 class Setting:
     label: str
     mode: Mode
-    selection: Selection | None = None
-    check_layer: int | None = None
-    recompute_ratio: float | None = None
+    selection: str = ""  # a Selection's value, or "oracle-<kind>"
+    check_layers: str = ""  # e.g. "1" or "1,2,3"
+    recompute_ratio: float | str | None = None
+    auto_coverage: float | None = None
+
+    @property
+    def oracle(self) -> Oracle | None:
+        prefix = "oracle-"
+        return Oracle(self.selection[len(prefix) :]) if self.selection.startswith(prefix) else None
 
 
-def settings_for(ratios: list[float], check_layers: list[int], layer_ratios: list[float]):
+def settings_for(
+    ratios: list[float],
+    check_layers: list[str],
+    layer_ratios: list[float],
+    selections: list[str],
+    coverages: list[float],
+) -> list[Setting]:
+    """The baselines, every selection at every ratio at the first check layers and at
+    `layer_ratios` at the others, and the auto ratio of each selection at each coverage."""
     settings = [Setting(Mode.PREFIX_CACHE.value, Mode.PREFIX_CACHE)]
     settings.append(Setting(Mode.FULL_REUSE.value, Mode.FULL_REUSE))
-    for layer in check_layers:
-        for ratio in ratios if layer == check_layers[0] else layer_ratios:
-            for selection in Selection:
-                label = f"cacheblend@{ratio:g} {selection.value} L{layer}"
-                settings.append(Setting(label, Mode.CACHEBLEND, selection, layer, ratio))
+    for layers in check_layers:
+        for ratio in ratios if layers == check_layers[0] else layer_ratios:
+            for selection in selections:
+                label = f"cacheblend@{ratio:g} {selection} L{layers}"
+                settings.append(Setting(label, Mode.CACHEBLEND, selection, layers, ratio))
+    for coverage in coverages:
+        for selection in selections:
+            if selection.startswith("oracle-") or selection == Selection.RANDOM.value:
+                continue
+            label = f"cacheblend@auto{coverage:g} {selection} L{check_layers[0]}"
+            settings.append(
+                Setting(label, Mode.CACHEBLEND, selection, check_layers[0], AUTO_RATIO, coverage)
+            )
     return settings
+
+
+def variant_of(setting: Setting, reference: Engine, engines: dict) -> Variant:
+    if not setting.check_layers:
+        return Variant(setting.label, reference, setting.mode)
+    oracle = setting.oracle
+    return Variant(
+        setting.label,
+        engines[setting.check_layers, setting.auto_coverage],
+        setting.mode,
+        setting.recompute_ratio,
+        None if oracle is not None else Selection(setting.selection),
+        oracle,
+    )
 
 
 def bootstrap_ci(values: list[float], seed: int = 0) -> tuple[float, float]:
@@ -100,6 +140,7 @@ def bootstrap_ci(values: list[float], seed: int = 0) -> tuple[float, float]:
 
 def summarize(settings: list[Setting], results: list[PromptResult]) -> list[dict]:
     rows = []
+    by_label = results[0].by_label if results else {}
     reference_ms = [1000 * r.reference_prefill_s for r in results]
     full = {
         "setting": Mode.FULL_PREFILL.value,
@@ -123,9 +164,10 @@ def summarize(settings: list[Setting], results: list[PromptResult]) -> list[dict
         row: dict = {
             "setting": setting.label,
             "mode": setting.mode.value,
-            "selection": setting.selection.value if setting.selection else "",
-            "check_layer": "" if setting.check_layer is None else setting.check_layer,
+            "selection": setting.selection,
+            "check_layer": setting.check_layers,
             "recompute_ratio": "" if setting.recompute_ratio is None else setting.recompute_ratio,
+            "auto_coverage": "" if setting.auto_coverage is None else setting.auto_coverage,
             "prompts": len(results),
             "prompt_tokens_mean": full["prompt_tokens_mean"],
             "tf_kl_mean": round(statistics.fmean(kls), 6),
@@ -147,8 +189,8 @@ def summarize(settings: list[Setting], results: list[PromptResult]) -> list[dict
                 3,
             ),
         }
-        if setting.selection is Selection.HKVD:
-            rival = setting.label.replace(Selection.HKVD.value, Selection.RANDOM.value)
+        rival = setting.label.replace(f" {setting.selection} ", f" {Selection.RANDOM.value} ")
+        if setting.selection not in ("", Selection.RANDOM.value) and rival in by_label:
             random_kls = [r.by_label[rival].deviation.kl for r in results]
             below = sum(h < x for h, x in zip(kls, random_kls, strict=True))
             row["kl_below_random"] = round(below / len(kls), 4)
@@ -158,7 +200,7 @@ def summarize(settings: list[Setting], results: list[PromptResult]) -> list[dict
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| setting | TF KL mean [95 % CI] | median | argmax agree | HKVD < random "
+        "| setting | TF KL mean [95 % CI] | median | argmax agree | below random "
         "| recomputed tokens | prefill ms | vs full |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -174,7 +216,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, first_layers: str) -> None:
     """Teacher-forced KL against prefill time relative to full prefill: one line per selection
     at each check layer through its ratios, the baselines as single points."""
     import matplotlib
@@ -187,20 +229,29 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for row in rows:
         if row["mode"] == Mode.CACHEBLEND.value:
             lines.setdefault((row["selection"], row["check_layer"]), []).append(row)
-    styles = {Selection.HKVD.value: "o-", Selection.RANDOM.value: "s--"}
-    for i, ((selection, layer), line) in enumerate(sorted(lines.items(), key=lambda kv: kv[0][1])):
-        line.sort(key=lambda r: r["recompute_ratio"])
-        color = f"C{i // 2}"
+    for i, ((selection, layer), line) in enumerate(sorted(lines.items())):
+        ratios = [r for r in line if not isinstance(r["recompute_ratio"], str)]
+        if layer != first_layers and len(ratios) < 2:
+            continue
+        ratios.sort(key=lambda r: r["recompute_ratio"])
         ax.plot(
-            [r["prefill_vs_full_median"] for r in line],
-            [r["tf_kl_mean"] for r in line],
-            styles.get(selection, "^-."),
-            color=color,
-            alpha=1.0 if selection == Selection.HKVD.value else 0.6,
-            label=f"cacheblend {selection}, check layer {layer}",
+            [r["prefill_vs_full_median"] for r in ratios],
+            [r["tf_kl_mean"] for r in ratios],
+            "o-" if layer == first_layers else ":",
+            color=f"C{i % 10}",
+            label=f"{selection}, check layer {layer}",
         )
-        if layer == min(k[1] for k in lines):
-            for r in line:
+        autos = [r for r in line if r["recompute_ratio"] == AUTO_RATIO]
+        if autos:
+            ax.scatter(
+                [r["prefill_vs_full_median"] for r in autos],
+                [r["tf_kl_mean"] for r in autos],
+                marker="x",
+                color=f"C{i % 10}",
+                s=60,
+            )
+        if layer == first_layers and selection == Selection.HKVD.value:
+            for r in ratios:
                 ax.annotate(
                     f"{r['recompute_ratio']:g}",
                     (r["prefill_vs_full_median"], r["tf_kl_mean"]),
@@ -256,6 +307,18 @@ def ratio(value: str) -> float:
     return number
 
 
+def layers(value: str) -> str:
+    try:
+        numbers = [int(layer) for layer in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"check layers are comma-separated ints, got {value!r}"
+        ) from None
+    if any(n < 0 for n in numbers):
+        raise argparse.ArgumentTypeError(f"check layers are >= 0, got {value!r}")
+    return ",".join(str(n) for n in sorted(set(numbers)))
+
+
 def default_model() -> str:
     """The packaged SmolLM2, converted once and cached (tests/real_model.py)."""
     from tests.real_model import smollm2_checkpoint
@@ -272,7 +335,28 @@ def main() -> None:
     parser.add_argument("--chunks-per-prompt", type=positive, default=4)
     parser.add_argument("--answer-tokens", type=positive, default=16)
     parser.add_argument("--ratios", type=ratio, nargs="+", default=list(RATIOS))
-    parser.add_argument("--check-layers", type=int, nargs="+", default=list(CHECK_LAYERS))
+    parser.add_argument(
+        "--check-layers",
+        type=layers,
+        nargs="+",
+        default=list(CHECK_LAYERS),
+        help="check layer sets, e.g. 1 2 1,2,3 (every ratio at the first, --layer-ratios at "
+        "the others)",
+    )
+    parser.add_argument(
+        "--selections",
+        nargs="+",
+        choices=[s.value for s in Selection] + [f"oracle-{o.value}" for o in Oracle],
+        default=[s.value for s in Selection] + [f"oracle-{o.value}" for o in Oracle],
+    )
+    parser.add_argument(
+        "--coverages",
+        type=ratio,
+        nargs="*",
+        default=list(COVERAGES),
+        help="auto ratio: the shares of the selection's mass covered (none: no auto settings)",
+    )
+    parser.add_argument("--auto-max-ratio", type=ratio, default=0.5)
     parser.add_argument("--layer-ratios", type=ratio, nargs="+", default=list(LAYER_RATIOS))
     parser.add_argument("--threads", type=positive, default=2)
     parser.add_argument("--csv", type=Path, default=ROOT / "bench/results/quality_real.csv")
@@ -290,27 +374,22 @@ def main() -> None:
 
     started = time.perf_counter()
     reference = Engine.from_pretrained(model, dtype=args.dtype, max_num_seqs=1)
+    settings = settings_for(
+        args.ratios, args.check_layers, args.layer_ratios, args.selections, args.coverages
+    )
     engines = {
-        (layer, selection): Engine(
+        (s.check_layers, s.auto_coverage): Engine(
             reference.loaded,
             reference.store,
-            check_layers=(layer,),
-            selection=selection,
+            check_layers=tuple(int(layer) for layer in s.check_layers.split(",")),
+            auto_coverage=s.auto_coverage or 0.5,
+            auto_max_ratio=args.auto_max_ratio,
             max_num_seqs=1,
         )
-        for layer in args.check_layers
-        for selection in Selection
-    }
-    settings = settings_for(args.ratios, args.check_layers, args.layer_ratios)
-    variants = [
-        Variant(
-            s.label,
-            reference if s.check_layer is None else engines[s.check_layer, s.selection],
-            s.mode,
-            s.recompute_ratio,
-        )
         for s in settings
-    ]
+        if s.check_layers
+    }
+    variants = [variant_of(s, reference, engines) for s in settings]
     prompts = build_prompts(
         reference.tokenizer,
         chunk_tokens=args.chunk_tokens,
@@ -344,7 +423,7 @@ def main() -> None:
         f"{name}, {args.dtype}: {len(results)} real-text prompts of {args.chunks_per_prompt} x "
         f"{args.chunk_tokens}-token chunks, {args.answer_tokens} answer tokens"
     )
-    plot(rows, args.png, title)
+    plot(rows, args.png, title, args.check_layers[0])
     print(f"\n{title} ({seconds:.0f} s, {args.threads} threads)\n")
     print(markdown_table(rows))
     print(f"\nwrote {args.csv}, {args.png}")

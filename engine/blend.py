@@ -12,20 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionPlan
+from engine.check import check_keeps, check_scores, indices
 from engine.layers import LayerOps
-from engine.plan import ChunkSource, PrefillPlan
-from engine.selection import (
-    CheckScores,
-    Selection,
-    coverage_budget,
-    prompt_generator,
-    query_attention,
-    ratio_schedule,
-    select,
-    select_top,
-    selection_budget,
-    token_deviation,
-)
+from engine.plan import PrefillPlan
+from engine.selection import Selection, prompt_generator, ratio_schedule
 from kvstore.types import ChunkKV, LayerStream
 
 
@@ -79,11 +69,6 @@ def run_prefill(
     pre_rope = torch.empty_like(keys) if plan.keep_pre_rope_keys else None
 
     streamed_spans = [plan.chunk_spans[j] for j in plan.streamed_chunks]
-    blend_slots = [
-        slot
-        for slot, j in enumerate(plan.streamed_chunks)
-        if plan.chunk_sources[j] is ChunkSource.BLEND
-    ]
     # Which positions each layer computes is tracked on the host: the attention plan is built
     # there, and reading a mask back from the device would wait for every queued kernel.
     blend_row = {p: row for row, p in enumerate(plan.blend_positions)}
@@ -93,8 +78,6 @@ def run_prefill(
     # The random baseline draws from the tokens still selected, so narrowing stays nested.
     random_pick = blending and plan.selection is Selection.RANDOM and plan.token_scores is None
     generator = prompt_generator(plan.token_ids) if random_pick else None
-    offset = {p: p - start for start, n in streamed_spans for p in range(start, start + n)}
-    suffix = list(range(plan.suffix_start, num_tokens))
 
     positions = sorted(plan.always_computed_positions + (plan.blend_positions if blending else []))
     computed = _Computed(ops, positions, cos, sin, streamed_spans)
@@ -130,32 +113,15 @@ def run_prefill(
 
         if i in ratios:
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
-            suffix_rows = positions.index(plan.suffix_start) if suffix else len(positions)
-
-            def deviation() -> torch.Tensor:
-                cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
-                cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
-                rows = _indices([blend_row[positions[j]] for j in candidates], device)
-                picked = _indices(candidates, device)
-                return token_deviation(
-                    k[:, picked], cached_k[:, rows], v[:, picked], cached_v[:, rows]
-                )
-
-            def attention() -> torch.Tensor:
-                paid = query_attention(
-                    q[:, suffix_rows:], k_layer, suffix, ops.attention_scale(i)
-                )
-                return paid[_indices([positions[j] for j in candidates], device)]
-
-            scores = CheckScores(
-                deviation, attention, [offset[positions[j]] for j in candidates], generator
+            scores = check_scores(
+                ops, i, plan, positions, candidates, (q, k, v, k_layer), streamed, generator
             )
-            chosen = _check(plan, scores, ratios[i], i == checks[-1], blend_row, positions)
+            chosen = check_keeps(plan, scores, ratios[i], i == checks[-1], blend_row, positions)
             if chosen is not None:
                 # The one read-back of a check layer: which tokens were selected.
                 dropped = set(candidates) - {candidates[c] for c in chosen.tolist()}
                 keep = [j for j in range(len(positions)) if j not in dropped]
-                kept = _indices(keep, device)
+                kept = indices(keep, device)
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
                 computed = _Computed(ops, positions, cos, sin, streamed_spans)
@@ -176,48 +142,6 @@ def run_prefill(
     )
 
 
-def _check(
-    plan: PrefillPlan,
-    scores: CheckScores,
-    ratio: float,
-    last_check: bool,
-    blend_row: dict[int, int],
-    positions: list[int],
-) -> torch.Tensor | None:
-    """The candidates a check layer keeps (indices into them), or None to keep them all.
-
-    The budget is `ratio` of the blended tokens; under the auto ratio the last check layer
-    keeps only as many as cover `plan.coverage` of the selection's mass, at least
-    `plan.min_ratio`. Caller-given `plan.token_scores` (an oracle's) rank instead of the
-    selection.
-    """
-    n = len(scores.offsets)
-    budget = selection_budget(ratio, len(blend_row))
-    if plan.coverage is not None and last_check:
-        low = min(budget, selection_budget(plan.min_ratio, len(blend_row)))
-        budget = coverage_budget(auto_mass(plan.selection, scores), plan.coverage, low, budget)
-    if plan.token_scores is not None:
-        if budget >= n:
-            return None
-        ranked = torch.tensor([plan.token_scores[blend_row[p]] for p in positions if p in blend_row])
-        return select_top(ranked, budget)
-    # A budget that keeps every candidate selects them all without a score (the random
-    # baseline still draws, so its generator stays where later checks expect).
-    if budget >= n and scores.generator is None:
-        return None
-    return select(plan.selection, scores, budget)
-
-
-def auto_mass(selection: Selection, scores: CheckScores) -> torch.Tensor:
-    """What the auto ratio covers a share of: the question's attention for the selections
-    that rank by it, the KV deviation for the others."""
-    if selection in (Selection.QUERY, Selection.QUERY_HKVD):
-        return scores.attention()
-    if selection is Selection.WEIGHTED:
-        return scores.deviation() * scores.attention()
-    return scores.deviation()
-
-
 # Beyond this many contiguous runs, the computed positions' KV is written by one indexed copy.
 _MAX_SLICED_RUNS = 16
 
@@ -235,7 +159,7 @@ class _Computed:
         sin: torch.Tensor,
         streamed_spans: list[tuple[int, int]],
     ):
-        self.active = active = _indices(positions, cos.device)
+        self.active = active = indices(positions, cos.device)
         self.cos, self.sin = cos[active], sin[active]
         self.attention: AttentionPlan = ops.attention_plan(positions)
         starts = [
@@ -256,8 +180,3 @@ class _Computed:
             return
         for start, end, position in self.runs:
             cache[:, position : position + end - start] = rows[:, start:end]
-
-
-def _indices(values: list[int], device: torch.device) -> torch.Tensor:
-    """An index tensor on `device` (indexing by it, unlike by a mask, needs no read-back)."""
-    return torch.tensor(values, dtype=torch.long, device=device)

@@ -76,14 +76,8 @@ class Executor:
         request, num_tokens = seq.request, seq.num_prompt_tokens
         assert seq.slot is not None
         try:
-            prefill = self.prefiller.prefill(
-                seq.layout,
-                request.mode,
-                request.recompute_ratio,
-                self.runner.slot_kv(seq.slot, num_tokens),
-                opened,
-                selection=request.selection,
-                max_recompute_ratio=request.max_recompute_ratio,
+            prefill = self.prefiller.prefill_request(
+                seq.layout, request, out=self.runner.slot_kv(seq.slot, num_tokens), opened=opened
             )
         except Exception as exc:
             log.exception("prefill failed")

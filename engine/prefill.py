@@ -19,7 +19,7 @@ from engine.prompt import PromptLayout
 from engine.ratio import RatioChoice, RatioPolicy
 from engine.selection import Selection
 from engine.timeline import overlap_fraction, total
-from engine.types import Blend, LayerTimes, Mode, Usage
+from engine.types import Blend, GenerateRequest, LayerTimes, Mode, Usage
 from kvstore.errors import KVStreamError
 from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore
@@ -177,6 +177,26 @@ class Prefiller:
         return ChunkKV(
             keys=out.pre_rope_keys[:, :, start:].to("cpu").contiguous(),
             values=out.values[:, :, start:].to("cpu").contiguous(),
+        )
+
+    def prefill_request(
+        self,
+        layout: PromptLayout,
+        request: GenerateRequest,
+        token_scores: tuple[float, ...] | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        opened: KVLayerStream | None = None,
+    ) -> Prefill:
+        """`prefill` with what `request` asks of the blend."""
+        return self.prefill(
+            layout,
+            request.mode,
+            request.recompute_ratio,
+            out,
+            opened,
+            selection=request.selection,
+            max_recompute_ratio=request.max_recompute_ratio,
+            token_scores=token_scores,
         )
 
     def prefill(

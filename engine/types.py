@@ -26,7 +26,9 @@ _E = TypeVar("_E", bound=StrEnum)
 
 def _is_ratio(value: object) -> bool:
     return (
-        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
         and 0.0 <= value <= 1.0
     )
 

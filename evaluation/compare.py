@@ -11,20 +11,25 @@ import torch
 
 from engine.agreement import AnswerDeviation, answer_deviation
 from engine.engine import Engine
+from engine.oracle import Oracle, OracleScores, oracle_scores
 from engine.prefill import Prefill
+from engine.selection import Selection
 from engine.types import Chunk, GenerateRequest, Mode
 from evaluation.teacher_forcing import ANSWER_TOKENS, answers_logits, greedy_answers
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A setting: a mode (and ratio) on an engine whose own settings (selection, check layers)
-    complete it. Every variant's engine shares the reference engine's model and store."""
+    """A setting: a mode, ratio and selection on an engine whose own settings (check layers,
+    default selection) complete it; `oracle` ranks the tokens by an oracle's scores instead
+    (engine/oracle.py). Every variant's engine shares the reference engine's model and store."""
 
     label: str
     engine: Engine
     mode: Mode
-    recompute_ratio: float | None = None
+    recompute_ratio: float | str | None = None
+    selection: Selection | None = None
+    oracle: Oracle | None = None
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,37 @@ def compare_prompts(
             yield _compare(reference, case, full, answer)
 
 
-def _request(case: Case, mode: Mode, ratio: float | None) -> GenerateRequest:
+def _request(
+    case: Case, mode: Mode, ratio: float | str | None, selection: Selection | None = None
+) -> GenerateRequest:
     chunks = as_chunks(case.passages)
-    return GenerateRequest(question=case.question, chunks=chunks, mode=mode, recompute_ratio=ratio)
+    return GenerateRequest(
+        question=case.question,
+        chunks=chunks,
+        mode=mode,
+        recompute_ratio=ratio,
+        selection=selection,
+    )
+
+
+def _prefill(variant: Variant, case: Case, oracles: OracleScores | None) -> Prefill:
+    request = _request(case, variant.mode, variant.recompute_ratio, variant.selection)
+    if variant.oracle is None:
+        return variant.engine.prefill(request)
+    assert oracles is not None
+    return variant.engine.prefill(request, token_scores=oracles.by_oracle[variant.oracle])
+
+
+def _oracles(reference: Engine, full: Prefill, answer: list[int]) -> OracleScores:
+    """The oracle scores of a prompt: its full prefill's answer appended, every chunk blended."""
+    layout = full.layout
+    return oracle_scores(
+        reference.ops,
+        layout.token_ids + tuple(answer),
+        layout.chunk_spans,
+        [reference.prefiller.compute_chunk_kv(tokens) for tokens in layout.chunks],
+        full.plan.suffix_start,
+    )
 
 
 def _full_prefill(reference: Engine, case: Case) -> Prefill:
@@ -90,12 +123,14 @@ def _compare(reference: Engine, case: Case, full: Prefill, answer: list[int]) ->
     model = reference.model
     full_logits: torch.Tensor | None = None
     by_label: dict[str, Measured] = {}
+    wanted = any(v.oracle is not None for v in case.variants)
+    oracles = _oracles(reference, full, answer) if wanted else None
     # Batches of BATCH rows, full prefill's row first in the first one.
     for start in range(0, len(case.variants), BATCH - 1):
         variants = case.variants[start : start + BATCH - 1]
         for variant in variants:
             assert variant.engine.model is model, "variants share the reference's model"
-        prefills = [v.engine.prefill(_request(case, v.mode, v.recompute_ratio)) for v in variants]
+        prefills = [_prefill(v, case, oracles) for v in variants]
         rows = prefills if full_logits is not None else [full, *prefills]
         logits = list(answers_logits(model, rows, answer))
         if full_logits is None:

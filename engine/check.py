@@ -1,0 +1,122 @@
+"""What a check layer of the blend keeps: its candidates' scores, computed when a selection asks
+for them, and the budget (fixed, or the auto ratio's) of the tokens recomputed from there on."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import LayerOps
+from engine.plan import ChunkSource, PrefillPlan
+from engine.selection import (
+    CheckScores,
+    Selection,
+    coverage_budget,
+    query_attention,
+    select,
+    select_top,
+    selection_budget,
+    token_deviation,
+)
+
+
+def check_scores(
+    ops: LayerOps,
+    index: int,
+    plan: PrefillPlan,
+    positions: list[int],
+    candidates: list[int],
+    layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    streamed: list[tuple[torch.Tensor, torch.Tensor]],
+    generator: torch.Generator | None,
+) -> CheckScores:
+    """The scores of a check layer's candidates (indices into `positions`), each computed
+    when a selection first asks: `layer` holds the computed tokens' rotated q, pre-RoPE k and
+    v, and the layer's whole key cache; `streamed` the cached KV of the streamed chunks."""
+    q, k, v, k_layer = layer
+    device = k.device
+    blend_row = {p: row for row, p in enumerate(plan.blend_positions)}
+    streamed_chunks = plan.streamed_chunks
+    blend_slots = [
+        slot for slot, j in enumerate(streamed_chunks) if plan.chunk_sources[j] is ChunkSource.BLEND
+    ]
+    chunk_start = {
+        p: start
+        for j in streamed_chunks
+        for start, n in [plan.chunk_spans[j]]
+        for p in range(start, start + n)
+    }
+    chosen_positions = [positions[j] for j in candidates]
+
+    def deviation() -> torch.Tensor:
+        cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
+        cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
+        rows = indices([blend_row[p] for p in chosen_positions], device)
+        picked = indices(candidates, device)
+        return token_deviation(k[:, picked], cached_k[:, rows], v[:, picked], cached_v[:, rows])
+
+    def attention() -> torch.Tensor:
+        suffix = list(range(plan.suffix_start, plan.num_tokens))
+        if not suffix:
+            return torch.zeros(len(candidates), device=device)
+        first = positions.index(plan.suffix_start)
+        paid = query_attention(q[:, first:], k_layer, suffix, ops.attention_scale(index))
+        return paid[indices(chosen_positions, device)]
+
+    offsets = [p - chunk_start[p] for p in chosen_positions]
+    return CheckScores(deviation, attention, offsets, generator)
+
+
+def check_keeps(
+    plan: PrefillPlan,
+    scores: CheckScores,
+    ratio: float,
+    last_check: bool,
+    blend_row: dict[int, int],
+    positions: list[int],
+) -> torch.Tensor | None:
+    """The candidates a check layer keeps (indices into them), or None to keep them all.
+
+    The budget is `ratio` of the blended tokens; under the auto ratio the last check layer
+    keeps only as many as cover `plan.coverage` of the selection's mass, at least
+    `plan.min_ratio`. Caller-given `plan.token_scores` (an oracle's) rank instead of the
+    selection.
+    """
+    n = len(scores.offsets)
+    budget = selection_budget(ratio, len(blend_row))
+    if plan.coverage is not None and last_check:
+        low = min(budget, selection_budget(plan.min_ratio, len(blend_row)))
+        budget = coverage_budget(auto_mass(plan.selection, scores), plan.coverage, low, budget)
+    if plan.token_scores is not None:
+        if budget >= n:
+            return None
+        rows = [blend_row[p] for p in positions if p in blend_row]
+        ranked = torch.tensor([plan.token_scores[row] for row in rows])
+        return select_top(ranked, budget)
+    # A budget that keeps every candidate selects them all without a score (the random
+    # baseline still draws, so its generator stays where later checks expect).
+    if budget >= n and scores.generator is None:
+        return None
+    return select(plan.selection if last_check else early(plan.selection), scores, budget)
+
+
+def early(selection: Selection) -> Selection:
+    """How a check layer before the last narrows: the question's attention is read at the last
+    one only (the deepest, where it is the most telling), the earlier ones narrow by deviation."""
+    if selection in (Selection.QUERY, Selection.QUERY_HKVD, Selection.WEIGHTED):
+        return Selection.HKVD
+    return selection
+
+
+def auto_mass(selection: Selection, scores: CheckScores) -> torch.Tensor:
+    """What the auto ratio covers a share of: the question's attention for the selections
+    that rank by it, the KV deviation for the others."""
+    if selection in (Selection.QUERY, Selection.QUERY_HKVD):
+        return scores.attention()
+    if selection is Selection.WEIGHTED:
+        return scores.deviation() * scores.attention()
+    return scores.deviation()
+
+
+def indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on `device` (indexing by it, unlike by a mask, needs no read-back)."""
+    return torch.tensor(values, dtype=torch.long, device=device)
