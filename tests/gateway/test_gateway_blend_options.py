@@ -116,10 +116,13 @@ def test_the_engine_reports_the_selection_a_query_asked_for(client, selection):
 
 
 def test_an_auto_query_is_chosen_by_auto_within_its_bound(client):
-    body = {"question": "Where does the Zorblax river flow?", "max_tokens": 2}
-    auto = {**body, "recompute_ratio": AUTO_RATIO, "max_recompute_ratio": 0.2}
-    response = client.post("/v1/query", json={**auto, "selection": ASKED})
-    assert response.status_code == 200, response.text
-    blend = response.json()["blend"]
-    assert blend["chosen_by"] == "auto" and blend["selection"] == ASKED
-    assert 0 <= blend["recompute_ratio"] <= 0.2
+    body = {"question": "Where does the Zorblax river flow?", "max_tokens": 2, "selection": ASKED}
+    auto = {**body, "recompute_ratio": AUTO_RATIO}
+    for bound in (None, 0.0):
+        bounded = auto if bound is None else {**auto, "max_recompute_ratio": bound}
+        response = client.post("/v1/query", json=bounded)
+        assert response.status_code == 200, response.text
+        blend = response.json()["blend"]
+        assert blend["chosen_by"] == "auto" and blend["selection"] == ASKED
+        # Some tokens cover a share of the score mass; a bound of 0 leaves none of them.
+        assert (blend["recompute_ratio"] > 0) is (bound is None), blend
