@@ -5,9 +5,9 @@ retriever's /v1/search."""
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from common.validation import CollectionName, DocId, Seed, Text
 
@@ -73,10 +73,13 @@ RetrievalName = Literal["dense", "bm25", "hybrid"]
 
 # Enums by value even in strict bodies (JSON has no enum instances).
 ModeField = Annotated[Mode, Strict(False)]
+SelectionField = Annotated[Selection, Strict(False)]
 ChunkOrderField = Annotated[ChunkOrder, Strict(False)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stops = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+# A request's recompute_ratio: a fixed ratio, or AUTO_RATIO (the check layer chooses it).
+RecomputeRatio = Ratio | Literal["auto"]
 Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 AdditivePenalty = Annotated[
@@ -92,6 +95,17 @@ def not_blank(value: str) -> str:
     if not value.strip():
         raise ValueError("must not be blank")
     return value
+
+
+def max_ratio_needs_auto(body: Any) -> Any:
+    """A body's model validator (its fields recompute_ratio and max_recompute_ratio):
+    max_recompute_ratio bounds recompute_ratio "auto" only."""
+    if body.max_recompute_ratio is not None and body.recompute_ratio != AUTO_RATIO:
+        raise ValueError(
+            f"max_recompute_ratio bounds recompute_ratio {AUTO_RATIO!r} only; "
+            f"got recompute_ratio {body.recompute_ratio!r}"
+        )
+    return body
 
 
 class ChunkIn(BaseModel):
@@ -125,7 +139,11 @@ class GenerateBody(BaseModel):
     chunks: list[ChunkIn] = Field(default_factory=list, max_length=MAX_GENERATE_CHUNKS)
     question: Text = Field(min_length=1)
     mode: ModeField = Mode.CACHEBLEND
-    recompute_ratio: Ratio | None = None
+    # None: the engine's recompute_ratio and selection settings; max_recompute_ratio bounds
+    # "auto" only (None: the engine's auto_max_ratio).
+    recompute_ratio: RecomputeRatio | None = None
+    max_recompute_ratio: Ratio | None = None
+    selection: SelectionField | None = None
     max_tokens: int = Field(64, ge=1)
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
@@ -141,6 +159,8 @@ class GenerateBody(BaseModel):
     fit_context: bool = False
     # The chunks come best first; best_last lays them out reversed, the best next to the question.
     chunk_order: ChunkOrderField = ChunkOrder.BEST_FIRST
+
+    _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 
     @property
     def stop_list(self) -> list[str]:
@@ -181,10 +201,11 @@ class Timings(BaseModel):
 
 
 class Blend(BaseModel):
-    recompute_ratio: float
+    recompute_ratio: float  # with "auto": the ratio the check layer chose
     leading_layers: int
-    chosen_by: str
+    chosen_by: str  # request, engine, controller or auto
     fell_back_to_full_prefill: bool
+    selection: str  # a Selection's value ("oracle" in research runs)
 
 
 class GenerateResponse(BaseModel):

@@ -45,8 +45,13 @@ def _argument_type(annotation: Any) -> dict[str, Any]:
     if get_origin(annotation) is Annotated:
         return _argument_type(get_args(annotation)[0])
     if get_origin(annotation) in (Union, types.UnionType):
-        (inner,) = [arg for arg in get_args(annotation) if arg is not type(None)]
-        return _argument_type(inner)
+        inner = [arg for arg in get_args(annotation) if arg is not type(None)]
+        if len(inner) == 1:
+            return _argument_type(inner[0])
+        # e.g. float | Literal["auto"]: the first alternative that takes the text.
+        alternatives = [_argument_type(arg) for arg in inner]
+        metavar = "|".join(map(_metavar, alternatives))
+        return {"type": _first_of(alternatives, metavar), "metavar": metavar}
     if get_origin(annotation) is Literal:
         choices = get_args(annotation)
         return {"type": type(choices[0]), "choices": choices}
@@ -56,6 +61,27 @@ def _argument_type(annotation: Any) -> dict[str, Any]:
     if annotation in _SCALARS:
         return {"type": annotation}
     raise TypeError(f"no CLI flag for a setting of type {annotation!r}")
+
+
+def _first_of(alternatives: list[dict[str, Any]], name: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        for alternative in alternatives:
+            try:
+                value = alternative["type"](text)
+            except ValueError:
+                continue
+            if value in alternative.get("choices", (value,)):
+                return value
+        raise ValueError(text)
+
+    parse.__name__ = name  # argparse's "invalid FLOAT|auto value: 'x'"
+    return parse
+
+
+def _metavar(alternative: dict[str, Any]) -> str:
+    if "choices" in alternative:
+        return "|".join(map(str, alternative["choices"]))
+    return alternative.get("metavar") or alternative["type"].__name__.upper()
 
 
 def _comma_separated(item: type) -> Callable[[str], list[Any]]:

@@ -4,6 +4,7 @@ route resolved it, what is asked of the engine over the sources found, and its r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from common.contract import (
     ChunkIn,
@@ -13,6 +14,7 @@ from common.contract import (
     Mode,
     RetrievalName,
     SearchRequest,
+    Selection,
 )
 
 
@@ -38,7 +40,10 @@ class RagRequest:
     hops: int = 1
     system: str | None = None
     mode: Mode = Mode.CACHEBLEND
-    recompute_ratio: float | None = None
+    # None: the engine's settings; max_recompute_ratio bounds recompute_ratio "auto" only.
+    recompute_ratio: float | Literal["auto"] | None = None
+    max_recompute_ratio: float | None = None
+    selection: Selection | None = None
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -103,6 +108,8 @@ class EngineRequest:
             question=rag.question,
             mode=rag.mode,
             recompute_ratio=rag.recompute_ratio,
+            max_recompute_ratio=rag.max_recompute_ratio,
+            selection=rag.selection,
             max_tokens=rag.max_tokens,
             temperature=rag.temperature,
             top_p=rag.top_p,

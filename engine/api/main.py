@@ -69,6 +69,8 @@ def build_engine(settings: EngineSettings) -> Engine:
         selection=Selection(settings.selection),
         recompute_ratio=settings.recompute_ratio,
         min_recompute_ratio=settings.min_recompute_ratio,
+        auto_coverage=settings.auto_coverage,
+        auto_max_ratio=settings.auto_max_ratio,
         system_prompt=settings.system_prompt,
         max_waiting=settings.queue_depth,
         max_num_seqs=settings.max_num_seqs,

@@ -25,6 +25,8 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         system=body.system,
         mode=body.mode,
         recompute_ratio=body.recompute_ratio,
+        selection=body.selection,
+        max_recompute_ratio=body.max_recompute_ratio,
         max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,

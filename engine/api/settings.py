@@ -4,19 +4,32 @@ derived from them (common.serving.add_settings_flags)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.auth import check_exposure
-from common.contract import MAX_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY, MAX_TOKENS_LIMIT
+from common.contract import (
+    MAX_ADDITIVE_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOKENS_LIMIT,
+    RecomputeRatio,
+    Selection,
+)
 from engine.types import DEFAULT_RECOMPUTE_RATIO, Penalties
 from kvstore.codec import Encoding
 from kvstore.remote_tier import check_url
 
 GIB = 1024**3
 MIB = 1024**2
+
+# Selection's values, for the setting (a settings flag offers a Literal's values as choices);
+# derived from the enum, which a type checker cannot follow: to it, a str.
+if TYPE_CHECKING:
+    SelectionName = str
+else:
+    SelectionName = Literal[tuple(s.value for s in Selection)]
 
 
 class EngineSettings(BaseSettings):
@@ -88,17 +101,34 @@ class EngineSettings(BaseSettings):
         le=1_048_576,
         description="prompt tokens admitted per prefill step (decodes run between)",
     )
-    recompute_ratio: float | None = Field(
-        None, ge=0, le=1, description="fixed ratio; None: the controller chooses"
+    recompute_ratio: RecomputeRatio | None = Field(
+        None,
+        description="fixed ratio of requests that set none, or auto: the check layer keeps the "
+        "tokens that cover auto_coverage of the selection's score mass, at most auto_max_ratio "
+        "(docs/quality.md); None: the controller chooses",
     )
     min_recompute_ratio: float = Field(
         DEFAULT_RECOMPUTE_RATIO, ge=0, le=1, description="the controller's lowest ratio"
     )
     check_layers: list[int] = Field([1], description="check layers, e.g. 1 or 1,2,3")
-    selection: Literal["hkvd", "random"] = Field(
-        "hkvd",
-        description="tokens cacheblend recomputes: hkvd (largest KV deviation) or random of the "
-        "same budget, a research baseline that serving should not use",
+    selection: SelectionName = Field(
+        Selection.HKVD.value,
+        description="tokens cacheblend recomputes for requests that set no selection: hkvd "
+        "(largest KV deviation), another score of docs/quality.md#token-selection, or random "
+        "of the same budget, a research baseline that serving should not use",
+    )
+    auto_coverage: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of the selection's score mass that recompute_ratio auto recomputes",
+    )
+    auto_max_ratio: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="the largest ratio recompute_ratio auto may choose (a request's "
+        "max_recompute_ratio bounds its own)",
     )
     # Defaults of requests that leave a penalty unset; `ragblend up` sets those measured for
     # the bundled model (README, "Generation defaults"); neutral for any other model.

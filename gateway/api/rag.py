@@ -38,6 +38,8 @@ def rag_request(
         system=system,
         mode=options.mode,
         recompute_ratio=options.recompute_ratio,
+        max_recompute_ratio=options.max_recompute_ratio,
+        selection=options.selection,
         max_tokens=resolved_max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,

@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from common.contract import (
+    AUTO_RATIO,
     MAX_COLLECTIONS,
     MAX_DOC_IDS,
     MAX_QUESTION_CHARS,
@@ -23,7 +24,10 @@ from common.contract import (
     GenerateBody,
     Mode,
     SearchRequest,
+    Selection,
 )
+from engine.api.schemas import to_request
+from gateway.api.schemas.openai import RagOptions
 from gateway.api.schemas.query import QueryRequest
 from gateway.types import EngineRequest, RagRequest, Source
 from tests.service_process import REPO_ROOT
@@ -150,3 +154,71 @@ def test_the_body_the_gateway_sends_is_the_one_the_engine_takes():
     assert [c.id for c in taken.chunks] == ["c1", "c2"]
     assert taken.stop == ["\n\n"] and taken.presence_penalty == 0.5
     assert taken.stream and taken.fit_context
+
+
+# The blend options each side takes: the gateway's /v1/query body and OpenAI `rag` object, and
+# the engine's body (strict, as its route validates it) converted to its request.
+BLEND_SIDES = {
+    "gateway query": lambda options: QueryRequest(question="q", **options),
+    "gateway rag": lambda options: RagOptions(**options),
+    "engine": lambda options: to_request(GenerateBody.model_validate({"question": "q", **options})),
+}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        *({"selection": s.value} for s in Selection),
+        {"recompute_ratio": AUTO_RATIO},
+        {"recompute_ratio": AUTO_RATIO, "max_recompute_ratio": 0.0},
+        {"recompute_ratio": AUTO_RATIO, "max_recompute_ratio": 1.0, "selection": "sink"},
+        {"recompute_ratio": 0.0},
+        {"recompute_ratio": 1.0},
+    ],
+)
+@pytest.mark.parametrize("side", sorted(BLEND_SIDES))
+def test_blend_options_the_gateway_accepts_the_engine_accepts(side, options):
+    taken = BLEND_SIDES[side](options)
+    for name, value in options.items():
+        assert getattr(taken, name) == value
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"selection": "best"}, "selection"),
+        ({"selection": "oracle"}, "selection"),  # the research runs' own, not a request's
+        ({"recompute_ratio": "fast"}, "recompute_ratio"),
+        ({"recompute_ratio": 1.5}, "recompute_ratio"),
+        ({"recompute_ratio": float("nan")}, "recompute_ratio"),
+        ({"max_recompute_ratio": 0.3}, "max_recompute_ratio"),
+        ({"recompute_ratio": 0.2, "max_recompute_ratio": 0.3}, "max_recompute_ratio"),
+        ({"recompute_ratio": AUTO_RATIO, "max_recompute_ratio": -0.1}, "max_recompute_ratio"),
+    ],
+)
+@pytest.mark.parametrize("side", sorted(BLEND_SIDES))
+def test_blend_options_the_gateway_refuses_the_engine_refuses(side, options, field):
+    with pytest.raises(ValidationError) as refused:
+        BLEND_SIDES[side](options)
+    # Named by the error's location, or (a model validator's) by its message.
+    assert all(field in f"{e['loc']} {e['msg']}" for e in refused.value.errors())
+
+
+def test_the_blend_options_the_gateway_sends_are_those_the_engine_takes():
+    rag = RagRequest(
+        question="why?",
+        top_k=3,
+        recompute_ratio=AUTO_RATIO,
+        max_recompute_ratio=0.25,
+        selection=Selection.SINK,
+    )
+    sent = EngineRequest(rag, ()).engine_body().model_dump_json()
+    taken = to_request(GenerateBody.model_validate_json(sent))
+    assert (taken.recompute_ratio, taken.max_recompute_ratio) == (AUTO_RATIO, 0.25)
+    assert taken.selection is Selection.SINK
+    unset = to_request(
+        GenerateBody.model_validate_json(
+            EngineRequest(RagRequest(question="why?", top_k=3), ()).engine_body().model_dump_json()
+        )
+    )
+    assert (unset.recompute_ratio, unset.max_recompute_ratio, unset.selection) == (None,) * 3

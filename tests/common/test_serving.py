@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from common.contract import Selection
 from common.serving import QuietProbesFilter, add_settings_flags, settings_from_args
 from engine.api.settings import EngineSettings
 from gateway.settings import GatewaySettings
@@ -43,6 +44,28 @@ def test_list_flags_take_comma_separated_values_of_the_item_type():
 def test_a_literal_setting_accepts_only_its_values():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["retriever", "--index", "lsh"])
+
+
+@pytest.mark.parametrize(("flag", "value"), [("0.3", 0.3), ("0", 0.0), ("auto", "auto")])
+def test_a_flag_of_a_number_or_a_literal_takes_either(flag, value):
+    args = build_parser().parse_args(["engine", "--model", "m", "--recompute-ratio", flag])
+    assert args.recompute_ratio == value
+    assert settings_from_args(EngineSettings, args, "engine").recompute_ratio == value
+
+
+@pytest.mark.parametrize("flag", ["fast", "AUTO", ""])
+def test_a_flag_of_a_number_or_a_literal_refuses_anything_else(flag):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["engine", "--model", "m", "--recompute-ratio", flag])
+
+
+def test_every_selection_is_a_choice_of_the_engines_flag():
+    args = ["engine", "--model", "m", "--selection"]
+    for selection in Selection:
+        parsed = build_parser().parse_args([*args, selection.value])
+        assert settings_from_args(EngineSettings, parsed, "engine").selection == selection
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "oracle"])
 
 
 def test_the_field_description_and_default_are_the_flag_help():

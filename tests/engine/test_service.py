@@ -11,6 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.contract import AUTO_RATIO, Selection
 from demo.tiny import save_random_checkpoint
 from engine.engine import Engine
 from engine.types import Chunk, GenerateRequest
@@ -116,6 +117,7 @@ def test_precompute_then_generate_gives_the_python_api_text(service, checkpoint)
             "leading_layers": 1,
             "chosen_by": "request",
             "fell_back_to_full_prefill": False,
+            "selection": "hkvd",
         }
         assert 0 < result["timings"]["ttft_s"] <= result["timings"]["total_s"]
         assert len(result["timings"]["layers"]) == 4
@@ -146,11 +148,54 @@ def test_controller_choice_is_reported_when_no_ratio_is_given(service):
     assert 0.15 <= result["blend"]["recompute_ratio"] <= 1.0
 
 
+@pytest.mark.parametrize("selection", [s.value for s in Selection])
+def test_the_blend_reports_the_selection_a_request_asked_for(service, selection):
+    with service.client() as client:
+        client.post("/v1/precompute", json={"chunks": CHUNKS}).raise_for_status()
+        reply = client.post("/v1/generate", json=body(max_tokens=2, selection=selection))
+    assert reply.status_code == 200, reply.text
+    blend = reply.json()["blend"]
+    assert (blend["selection"], blend["chosen_by"], blend["recompute_ratio"]) == (
+        selection,
+        "request",
+        0.3,
+    )
+
+
+# An auto ratio is ⌈r · n⌉ / n of the n blended chunk tokens (here n > 20): up to 1/n over r.
+ROUNDING = 0.05
+
+
+@pytest.mark.parametrize("bound", [None, 0.0])
+def test_an_auto_ratio_is_chosen_by_auto_within_its_bound(service, bound):
+    auto = body(max_tokens=2, recompute_ratio=AUTO_RATIO, selection="sink")
+    if bound is not None:
+        auto["max_recompute_ratio"] = bound
+    with service.client() as client:
+        client.post("/v1/precompute", json={"chunks": CHUNKS}).raise_for_status()
+        reply = client.post("/v1/generate", json=auto)
+    assert reply.status_code == 200, reply.text
+    result = reply.json()
+    blend = result["blend"]
+    assert blend["chosen_by"] == "auto" and blend["selection"] == "sink"
+    if bound is None:  # the engine's auto_max_ratio, 0.5 by default
+        assert 0 < blend["recompute_ratio"] <= 0.5 + ROUNDING
+    else:  # a bound of 0 recomputes none of the cached chunks
+        assert blend["recompute_ratio"] == 0 and result["usage"]["recomputed_tokens"] == 0
+
+
 @pytest.mark.parametrize(
     ("payload", "field"),
     [
         ({"chunks": CHUNKS}, "question"),
         (body(recompute_ratio=1.5), "recompute_ratio"),
+        (body(recompute_ratio="fast"), "recompute_ratio"),
+        (body(recompute_ratio="0.3"), "recompute_ratio"),
+        (body(selection="best"), "selection"),
+        (body(selection=1), "selection"),
+        (body(max_recompute_ratio=0.2), "max_recompute_ratio"),
+        (body(recompute_ratio=None, max_recompute_ratio=0.2), "max_recompute_ratio"),
+        (body(recompute_ratio=AUTO_RATIO, max_recompute_ratio=2), "max_recompute_ratio"),
         (body(mode="turbo"), "mode"),
         (body(max_tokens=0), "max_tokens"),
         (body(top_p=0), "top_p"),
@@ -293,3 +338,50 @@ def test_concurrent_streams_interleave_token_by_token(batching_service):
         single = metric_value(client, "ragblend_engine_batch_size_bucket", step="decode", le="1.0")
         assert decode_steps - single >= 10  # decode steps that carried both sequences
         assert metric_value(client, "ragblend_engine_kv_pool_slots") == 4
+
+
+@pytest.fixture(scope="module")
+def auto_service(checkpoint, tmp_path_factory):
+    """An engine whose settings pick the blend of requests that leave it unset: auto ratios
+    covering 0.9 of the score mass, at most 0.2, over sink tokens."""
+    tmp = tmp_path_factory.mktemp("engine-auto")
+    blend = {
+        "--recompute-ratio": "auto",
+        "--selection": "sink",
+        "--auto-coverage": "0.9",
+        "--auto-max-ratio": "0.2",
+    }
+    args = ["--model", checkpoint, "--store-path", str(tmp / "kv")]
+    args += [arg for flag_value in blend.items() for arg in flag_value]
+    proc = start_service("engine", args, tmp / "engine.log")
+    yield proc
+    assert proc.stop() in (0, -signal.SIGTERM), proc.log()[-3000:]
+
+
+def blend_of(service, **overrides) -> dict:
+    with service.client() as client:
+        client.post("/v1/precompute", json={"chunks": CHUNKS}).raise_for_status()
+        reply = client.post("/v1/generate", json=body(max_tokens=2, **overrides))
+    assert reply.status_code == 200, reply.text
+    return reply.json()["blend"]
+
+
+def test_the_engine_settings_pick_the_blend_a_request_leaves_unset(auto_service):
+    blend = blend_of(auto_service, recompute_ratio=None)
+    assert (blend["chosen_by"], blend["selection"]) == ("auto", "sink")
+    assert 0 < blend["recompute_ratio"] <= 0.2 + ROUNDING  # auto_max_ratio
+    asked = blend_of(auto_service, recompute_ratio=0.3, selection="hkvd")
+    assert (asked["chosen_by"], asked["selection"], asked["recompute_ratio"]) == (
+        "request",
+        "hkvd",
+        0.3,
+    )
+
+
+def test_auto_coverage_sets_how_much_an_auto_ratio_recomputes(service, auto_service):
+    auto = {"recompute_ratio": AUTO_RATIO, "max_recompute_ratio": 1.0, "selection": "hkvd"}
+    # The same prompt: covering 0.9 of the deviation takes more tokens than covering 0.5.
+    assert (
+        blend_of(auto_service, **auto)["recompute_ratio"]
+        > blend_of(service, **auto)["recompute_ratio"]
+    )

@@ -1,5 +1,6 @@
 """A stand-in engine process for the gateway's failover tests: the engine's /health and
-streamed /v1/generate, with the statuses and delays a real engine cannot be made to give."""
+streamed /v1/generate, with the statuses and delays a real engine cannot be made to give, and
+(with --record) a JSON line per generate body received, to show what the gateway sent."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from common.contract import Blend, GenerateBody, GenerateResponse, Timings, Usage
+from common.contract import (
+    AUTO_RATIO,
+    Blend,
+    GenerateBody,
+    GenerateResponse,
+    Selection,
+    Timings,
+    Usage,
+)
 from tests.service_process import REPO_ROOT, free_port, service_env, wait_ready
 
 # "slow 2.5" in a question: its first event comes 2.5 s after the request (with --slow-questions).
@@ -57,6 +66,9 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             except ValidationError as exc:
                 self._json(422, {"detail": str(exc)})
                 return
+            if args.record:
+                with open(args.record, "a", encoding="utf-8") as record:
+                    record.write(body.model_dump_json() + "\n")
             if args.generate_status == 429:
                 self._json(429, {"detail": "engine busy: queue full"}, {"Retry-After": "2"})
                 return
@@ -66,9 +78,10 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             slow = SLOW.search(body.question)
             if slow and args.slow_questions:
                 time.sleep(float(slow.group(1)))
-            self._stream(body.max_tokens)
+            self._stream(body)
 
-        def _stream(self, max_tokens: int) -> None:
+        def _stream(self, body: GenerateBody) -> None:
+            max_tokens = body.max_tokens
             try:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -77,7 +90,7 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
                 for _ in range(max_tokens):
                     self._event("delta", {"text": " word"})
                     time.sleep(DELTA_INTERVAL_S)
-                self._event("result", _result(max_tokens).model_dump())
+                self._event("result", _result(body).model_dump())
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the gateway closed the stream: the generation is cancelled
             self.close_connection = True
@@ -98,7 +111,10 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _result(max_tokens: int) -> GenerateResponse:
+def _result(body: GenerateBody) -> GenerateResponse:
+    """A result as the engine reports it: the selection and who chose the ratio as asked."""
+    max_tokens = body.max_tokens
+    auto = body.recompute_ratio == AUTO_RATIO
     timings = dict.fromkeys(Timings.model_fields.keys() - {"layers"}, 0.0)
     return GenerateResponse(
         text=" word" * max_tokens,
@@ -110,8 +126,9 @@ def _result(max_tokens: int) -> GenerateResponse:
         blend=Blend(
             recompute_ratio=0.15,
             leading_layers=1,
-            chosen_by="request",
+            chosen_by="auto" if auto else "request",
             fell_back_to_full_prefill=False,
+            selection=(body.selection or Selection.HKVD).value,
         ),
         chunk_tiers=[],
         dropped_chunks=0,
@@ -155,6 +172,7 @@ def main() -> None:
     parser.add_argument("--generate-status", type=int, default=200, help="200, 429, 500…")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=None)
     parser.add_argument("--slow-questions", action="store_true", help="honour 'slow N' markers")
+    parser.add_argument("--record", default=None, help="append each generate body to this file")
     args = parser.parse_args()
     ThreadingHTTPServer(("127.0.0.1", args.port), handler_class(args)).serve_forever()
 

@@ -83,13 +83,15 @@ def _record(metrics, mode: Mode, result: GenerateResult) -> None:
     metrics.observe(mode, result)
     log.info(
         "generated mode=%s prompt=%d cached=%d recomputed=%d completion=%d ratio=%.2f "
-        "ttft=%.3fs overlap=%.2f dropped=%d",
+        "chosen_by=%s selection=%s ttft=%.3fs overlap=%.2f dropped=%d",
         mode.value,
         result.usage.prompt_tokens,
         result.usage.cached_tokens,
         result.usage.recomputed_tokens,
         result.usage.completion_tokens,
         result.blend.recompute_ratio,
+        result.blend.chosen_by,
+        result.blend.selection,
         result.timings.ttft_s,
         result.timings.overlap,
         result.dropped_chunks,

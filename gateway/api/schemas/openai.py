@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.contract import (
     MAX_QUESTION_CHARS,
@@ -16,18 +16,24 @@ from common.contract import (
     Hops,
     Mode,
     Ratio,
+    RecomputeRatio,
     RepetitionPenalty,
     RetrievalName,
+    Selection,
     StopString,
     TopP,
     Usage,
+    max_ratio_needs_auto,
 )
 from common.validation import Seed, Text
 from gateway.api.schemas.query import (
     CHUNK_ORDER_DESCRIPTION,
     HOPS_DESCRIPTION,
+    MAX_RECOMPUTE_RATIO_DESCRIPTION,
     PENALTY_DESCRIPTION,
+    RECOMPUTE_RATIO_DESCRIPTION,
     RETRIEVAL_DESCRIPTION,
+    SELECTION_DESCRIPTION,
     SourceOut,
 )
 
@@ -45,7 +51,9 @@ class RagOptions(BaseModel):
 
     top_k: int | None = Field(None, ge=1)
     mode: Mode = Mode.CACHEBLEND
-    recompute_ratio: Ratio | None = None
+    recompute_ratio: RecomputeRatio | None = Field(None, description=RECOMPUTE_RATIO_DESCRIPTION)
+    max_recompute_ratio: Ratio | None = Field(None, description=MAX_RECOMPUTE_RATIO_DESCRIPTION)
+    selection: Selection | None = Field(None, description=SELECTION_DESCRIPTION)
     doc_ids: DocIds | None = None
     collections: Collections | None = Field(
         None, description="search only these (default: all the API key may use)"
@@ -53,6 +61,8 @@ class RagOptions(BaseModel):
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: Hops | None = Field(None, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
+
+    _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 
 
 class StreamOptions(BaseModel):

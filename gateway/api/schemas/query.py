@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.contract import (
     MAX_QUESTION_CHARS,
@@ -16,12 +16,15 @@ from common.contract import (
     Hops,
     Mode,
     Ratio,
+    RecomputeRatio,
     RepetitionPenalty,
     RetrievalName,
+    Selection,
     Stops,
     Temperature,
     TopP,
     Usage,
+    max_ratio_needs_auto,
     not_blank,
 )
 from common.validation import Seed, Text
@@ -36,6 +39,19 @@ CHUNK_ORDER_DESCRIPTION = (
     "best_first: the best chunk first in the prompt; best_last: next to the question; "
     "default: the gateway's chunk_order setting"
 )
+RECOMPUTE_RATIO_DESCRIPTION = (
+    "share of the chunk tokens cacheblend recomputes, or auto: the check layer chooses it "
+    "(at most max_recompute_ratio); default: the engine's recompute_ratio setting (the "
+    "controller unless set)"
+)
+MAX_RECOMPUTE_RATIO_DESCRIPTION = (
+    "the largest ratio auto may choose, with recompute_ratio auto only; default: the engine's "
+    "auto_max_ratio setting"
+)
+SELECTION_DESCRIPTION = (
+    "how cacheblend picks the tokens it recomputes (hkvd, sink, query…; random is a baseline); "
+    "default: the engine's selection setting; see docs/quality.md#token-selection"
+)
 PENALTY_DESCRIPTION = (
     "default: the engine's setting of the same name (neutral but for the bundled model)"
 )
@@ -48,7 +64,9 @@ class QueryRequest(BaseModel):
     # Upper bounds of top_k and max_tokens are settings, checked in the route.
     top_k: int | None = Field(None, ge=1, description="default: the gateway's default_top_k")
     mode: Mode = Mode.CACHEBLEND
-    recompute_ratio: Ratio | None = Field(None, description="None: the controller")
+    recompute_ratio: RecomputeRatio | None = Field(None, description=RECOMPUTE_RATIO_DESCRIPTION)
+    max_recompute_ratio: Ratio | None = Field(None, description=MAX_RECOMPUTE_RATIO_DESCRIPTION)
+    selection: Selection | None = Field(None, description=SELECTION_DESCRIPTION)
     max_tokens: int | None = Field(None, ge=1, description="default: default_max_tokens")
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
@@ -67,6 +85,7 @@ class QueryRequest(BaseModel):
     chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
 
     _question_not_blank = field_validator("question")(not_blank)
+    _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 
 
 class SourceOut(BaseModel):
