@@ -46,11 +46,17 @@ from evaluation.real_text import build_prompts  # noqa: E402
 
 log = logging.getLogger("bench.quality_real")
 
-RATIOS = (0.01, 0.05, 0.1, 0.15, 0.3, 0.5, 1.0)
-# Check layers: one at layer 1, one at layer 2, and gradual filtering over layers 1-3.
-CHECK_LAYERS = ("1", "2", "1,2,3")
-LAYER_RATIOS = (0.05, 0.15, 0.3)
-COVERAGES = (0.3, 0.5, 0.7)
+RATIOS = (0.01, 0.05, 0.1, 0.15, 0.3, 0.5)
+# Check layer sets: the first CURVES get every ratio. Layer 1; layers 1 and 7 (a quarter of
+# SmolLM2's 30 layers: the selections that read the question's attention read it at the last);
+# layer 2; gradual filtering over layers 1-3.
+CHECK_LAYERS = ("1", "1,7", "2", "1,2,3")
+CURVES = 2
+DEEP_SELECTIONS = ("hkvd", "weighted", "query_hkvd")
+LAYER_RATIOS = (0.15,)
+COVERAGES = (0.8, 0.9, 0.95)
+VARIANT_MODEL_LEN = 2048
+VARIANT_POOL_BYTES = 256 << 20
 FIELDS = [
     "setting",
     "mode",
@@ -70,6 +76,7 @@ FIELDS = [
     "prefill_ms_median",
     "prefill_vs_full_median",
 ]
+TEXT_FIELDS = {"setting", "mode", "selection", "check_layer"}
 BOOTSTRAP_SAMPLES = 2000
 
 
@@ -91,27 +98,38 @@ class Setting:
 def settings_for(
     ratios: list[float],
     check_layers: list[str],
+    curves: int,
     layer_ratios: list[float],
     selections: list[str],
+    deep_selections: list[str],
     coverages: list[float],
 ) -> list[Setting]:
-    """The baselines, every selection at every ratio at the first check layers and at
-    `layer_ratios` at the others, and the auto ratio of each selection at each coverage."""
+    """The baselines; at the first `curves` check layer sets every selection (`deep_selections`
+    after the first set, the oracles at the first only) at every ratio and at the auto ratio of
+    each coverage; at the other sets every serving selection at `layer_ratios`."""
     settings = [Setting(Mode.PREFIX_CACHE.value, Mode.PREFIX_CACHE)]
     settings.append(Setting(Mode.FULL_REUSE.value, Mode.FULL_REUSE))
-    for layers in check_layers:
-        for ratio in ratios if layers == check_layers[0] else layer_ratios:
-            for selection in selections:
+    serving = [s for s in selections if not s.startswith("oracle-")]
+    for index, layers in enumerate(check_layers):
+        if index >= curves:
+            chosen, set_ratios = serving, layer_ratios
+        else:
+            chosen = selections if index == 0 else [s for s in serving if s in deep_selections]
+            set_ratios = ratios
+        for ratio in set_ratios:
+            for selection in chosen:
                 label = f"cacheblend@{ratio:g} {selection} L{layers}"
                 settings.append(Setting(label, Mode.CACHEBLEND, selection, layers, ratio))
-    for coverage in coverages:
-        for selection in selections:
-            if selection.startswith("oracle-") or selection == Selection.RANDOM.value:
-                continue
-            label = f"cacheblend@auto{coverage:g} {selection} L{check_layers[0]}"
-            settings.append(
-                Setting(label, Mode.CACHEBLEND, selection, check_layers[0], AUTO_RATIO, coverage)
-            )
+        if index >= curves:
+            continue
+        for coverage in coverages:
+            for selection in chosen:
+                if selection.startswith("oracle-") or selection == Selection.RANDOM.value:
+                    continue
+                label = f"cacheblend@auto{coverage:g} {selection} L{layers}"
+                settings.append(
+                    Setting(label, Mode.CACHEBLEND, selection, layers, AUTO_RATIO, coverage)
+                )
     return settings
 
 
@@ -196,6 +214,51 @@ def summarize(settings: list[Setting], results: list[PromptResult]) -> list[dict
             row["kl_below_random"] = round(below / len(kls), 4)
         rows.append(row)
     return rows
+
+
+# What the selections are measured against: CacheBlend's own choice, HKVD at r = 0.15, layer 1.
+REFERENCE_SETTING = "cacheblend@0.15 hkvd L1"
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """y at x on the polyline through `points` (sorted by x), None outside it."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def equal_ttft_table(rows: list[dict]) -> str:
+    """Each curve (a selection at a check layer set, every fixed ratio) against the reference:
+    its KL at the reference's prefill time, and its prefill time at the reference's KL, as
+    shares of the reference's (below 1: better)."""
+    reference = next((r for r in rows if r["setting"] == REFERENCE_SETTING), None)
+    if reference is None:
+        return ""
+    ttft, kl = reference["prefill_vs_full_median"], reference["tf_kl_mean"]
+    curves: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        if row["mode"] == Mode.CACHEBLEND.value and not isinstance(row["recompute_ratio"], str):
+            curves.setdefault((row["selection"], row["check_layer"]), []).append(row)
+    lines = [
+        f"| selection | check layers | KL at {REFERENCE_SETTING}'s prefill time, / its KL "
+        f"| prefill time at its KL, / its time |",
+        "|---|---|---|---|",
+    ]
+    for (selection, layers), line in sorted(curves.items()):
+        if len(line) < 2:
+            continue
+        # Prefill time grows with r, KL falls: both are read off the curve through r.
+        by_ratio = sorted(line, key=lambda r: r["recompute_ratio"])
+        times = sorted((r["prefill_vs_full_median"], r["tf_kl_mean"]) for r in by_ratio)
+        kls = sorted((r["tf_kl_mean"], r["prefill_vs_full_median"]) for r in by_ratio)
+        at_time, at_kl = interpolate(times, ttft), interpolate(kls, kl)
+        lines.append(
+            f"| {selection} | {layers} "
+            f"| {'' if at_time is None else f'{at_time / kl:.2f}'} "
+            f"| {'' if at_kl is None else f'{at_kl / ttft:.2f}'} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -344,6 +407,18 @@ def main() -> None:
         "the others)",
     )
     parser.add_argument(
+        "--curves",
+        type=int,
+        default=CURVES,
+        help="how many of the first check layer sets get every ratio",
+    )
+    parser.add_argument(
+        "--deep-selections",
+        nargs="+",
+        default=list(DEEP_SELECTIONS),
+        help="the selections measured at every ratio on the curve sets after the first",
+    )
+    parser.add_argument(
         "--selections",
         nargs="+",
         choices=[s.value for s in Selection] + [f"oracle-{o.value}" for o in Oracle],
@@ -367,15 +442,31 @@ def main() -> None:
         default=ROOT / "bench/results/quality_real-prompts.csv",
         help="one row per prompt and setting",
     )
+    parser.add_argument(
+        "--from-csv",
+        action="store_true",
+        help="measure nothing: the tables and the plot of the rows already in --csv",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.from_csv:
+        rows = read_rows(args.csv)
+        name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+        report(rows, args, title_of(name, int(rows[0]["prompts"]), args))
+        return
     torch.set_num_threads(args.threads)
     model = args.model or default_model()
 
     started = time.perf_counter()
     reference = Engine.from_pretrained(model, dtype=args.dtype, max_num_seqs=1)
     settings = settings_for(
-        args.ratios, args.check_layers, args.layer_ratios, args.selections, args.coverages
+        args.ratios,
+        args.check_layers,
+        args.curves,
+        args.layer_ratios,
+        args.selections,
+        args.deep_selections,
+        args.coverages,
     )
     engines = {
         (s.check_layers, s.auto_coverage): Engine(
@@ -385,6 +476,9 @@ def main() -> None:
             auto_coverage=s.auto_coverage or 0.5,
             auto_max_ratio=args.auto_max_ratio,
             max_num_seqs=1,
+            # Prefills here build their KV outside the pool: one small slot per engine.
+            max_model_len=VARIANT_MODEL_LEN,
+            kv_pool_bytes=VARIANT_POOL_BYTES,
         )
         for s in settings
         if s.check_layers
@@ -418,14 +512,41 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     write_per_prompt(results, settings, args.prompts_csv)
-    name = Path(model).name
-    title = (
-        f"{name}, {args.dtype}: {len(results)} real-text prompts of {args.chunks_per_prompt} x "
+    title = title_of(Path(model).name, len(results), args)
+    print(f"\n{title} ({seconds:.0f} s, {args.threads} threads)\n")
+    report(rows, args, title)
+
+
+def title_of(name: str, prompts: int, args: argparse.Namespace) -> str:
+    return (
+        f"{name}, {args.dtype}: {prompts} real-text prompts of {args.chunks_per_prompt} x "
         f"{args.chunk_tokens}-token chunks, {args.answer_tokens} answer tokens"
     )
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a CSV this script wrote, numbers as numbers ("auto" stays a string)."""
+
+    def value(field: str, text: str) -> object:
+        if field in TEXT_FIELDS:
+            return text
+        if text == "":
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    with path.open(newline="") as f:
+        return [{k: value(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def report(rows: list[dict], args: argparse.Namespace, title: str) -> None:
     plot(rows, args.png, title, args.check_layers[0])
-    print(f"\n{title} ({seconds:.0f} s, {args.threads} threads)\n")
     print(markdown_table(rows))
+    print(f"\nagainst {REFERENCE_SETTING} (targets: KL <= 0.5 x at its time, or time <= 0.6 x")
+    print("at its KL)\n")
+    print(equal_ttft_table(rows))
     print(f"\nwrote {args.csv}, {args.png}")
 
 

@@ -76,16 +76,16 @@ def check_keeps(
 ) -> torch.Tensor | None:
     """The candidates a check layer keeps (indices into them), or None to keep them all.
 
-    The budget is `ratio` of the blended tokens; under the auto ratio the last check layer
-    keeps only as many as cover `plan.coverage` of the selection's mass, at least
-    `plan.min_ratio`. Caller-given `plan.token_scores` (an oracle's) rank instead of the
-    selection.
+    The budget is `ratio` of the blended tokens; under the auto ratio every check layer keeps
+    only as many as cover `plan.coverage` of its selection's mass, at least `plan.min_ratio`.
+    Caller-given `plan.token_scores` (an oracle's) rank instead of the selection.
     """
     n = len(scores.offsets)
     budget = selection_budget(ratio, len(blend_row))
-    if plan.coverage is not None and last_check:
+    if plan.coverage is not None:
+        selection = plan.selection if last_check else early(plan.selection)
         low = min(budget, selection_budget(plan.min_ratio, len(blend_row)))
-        budget = coverage_budget(auto_mass(plan.selection, scores), plan.coverage, low, budget)
+        budget = coverage_budget(auto_mass(selection, scores), plan.coverage, low, budget)
     if plan.token_scores is not None:
         if budget >= n:
             return None

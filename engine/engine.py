@@ -129,12 +129,10 @@ class Engine:
         for a long prompt, so the service calls it on a thread."""
         return request_layout(self.prompts, request, self.max_model_len)
 
-    def prefill(
-        self, request: GenerateRequest, token_scores: tuple[float, ...] | None = None
-    ) -> Prefill:
+    def prefill(self, request: GenerateRequest, scores: tuple[float, ...] | None = None) -> Prefill:
         """Lay out the request's prompt and build its KV cache in fresh tensors (not the pool),
-        outside the serving loop (tests and benchmarks; `token_scores`: an oracle's)."""
-        return self.prefiller.prefill_request(self.layout(request), request, token_scores)
+        outside the serving loop (tests, benchmarks; `scores`: an oracle's, engine/oracle.py)."""
+        return self.prefiller.prefill_request(self.layout(request), request, scores)
 
     def start(self, request: GenerateRequest, layout: PromptLayout | None = None) -> Generation:
         """Queue a generation; iterate the returned object on the calling event loop. `layout`

@@ -18,12 +18,13 @@ class EngineOptions:
     `max_waiting` more requests queue beyond the free slots; past that `start()` raises
     QueueFullError. `shadow` samples blended requests for shadow checks (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
-    research baseline). `recompute_ratio="auto"` (or a request's) lets the check layer keep
+    research baseline); the default, `weighted` over the default check layers, is the best
+    measured at equal TTFT (docs/quality.md). `recompute_ratio="auto"` (or a request's) lets the check layer keep
     the tokens that cover `auto_coverage` of the selection's mass, at most `auto_max_ratio`.
     `default_penalties` apply to requests that leave a penalty unset.
     """
 
-    check_layers: tuple[int, ...] = (1,)
+    check_layers: tuple[int, ...] = ()  # (): the model's default, default_check_layers()
     recompute_ratio: float | str | None = None
     min_recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     system_prompt: str | None = None
@@ -35,14 +36,22 @@ class EngineOptions:
     max_prefill_tokens: int = 8192
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
-    selection: Selection = Selection.HKVD
+    selection: Selection = Selection.WEIGHTED
     auto_coverage: float = 0.5
     auto_max_ratio: float = 0.5
     default_penalties: Penalties = NO_PENALTIES
 
     def check_layers_of(self, num_layers: int) -> tuple[int, ...]:
-        """The check layers, sorted, for a model of `num_layers` (default: layer 1, or 0)."""
-        layers = tuple(sorted(set(self.check_layers))) or (min(1, num_layers - 1),)
+        """The check layers, sorted, for a model of `num_layers` (default_check_layers)."""
+        layers = tuple(sorted(set(self.check_layers))) or default_check_layers(num_layers)
         if not all(0 <= layer < num_layers for layer in layers):
             raise ValueError(f"check layers {layers} outside the model's 0..{num_layers - 1}")
         return layers
+
+
+def default_check_layers(num_layers: int) -> tuple[int, ...]:
+    """Layer 1, then a quarter of the depth: the first check narrows by KV deviation, the last
+    reads the question's attention where it is telling (docs/quality.md, "Token selection":
+    layers 1 and 7 of SmolLM2's 30). Below 8 layers, layer 1 alone (layer 0 on one layer)."""
+    deep = num_layers // 4
+    return (1, deep) if deep > 1 else (min(1, num_layers - 1),)

@@ -30,8 +30,8 @@ class PrefillPlan:
     check_layers: tuple[int, ...]
     keep_pre_rope_keys: bool = False
     selection: Selection = Selection.HKVD  # how the check layers pick tokens to recompute
-    # The auto ratio: the last check layer keeps what covers this share of the selection's
-    # mass, between min_ratio and recompute_ratio (the bound). None: exactly recompute_ratio.
+    # The auto ratio: each check layer keeps what covers this share of the selection's mass,
+    # between min_ratio and its share of recompute_ratio (the bound). None: exactly the ratio.
     coverage: float | None = None
     min_ratio: float = 0.0
     # Research only (engine/oracle.py): a score per blended token, in blend_positions order,

@@ -108,7 +108,7 @@ class Prefiller:
         chunk_prefix: tuple[int, ...],
         check_layers: tuple[int, ...],
         controller: Controller,
-        recompute_ratio: float | None = None,
+        recompute_ratio: float | str | None = None,
         prefix_cache: PrefixCache | None = None,
         kv_read_delay_s: float = 0.0,
         selection: Selection = Selection.HKVD,

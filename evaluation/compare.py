@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -27,7 +28,7 @@ class Variant:
     label: str
     engine: Engine
     mode: Mode
-    recompute_ratio: float | str | None = None
+    recompute_ratio: float | Literal["auto"] | None = None
     selection: Selection | None = None
     oracle: Oracle | None = None
 
@@ -82,7 +83,10 @@ def compare_prompts(
 
 
 def _request(
-    case: Case, mode: Mode, ratio: float | str | None, selection: Selection | None = None
+    case: Case,
+    mode: Mode,
+    ratio: float | Literal["auto"] | None,
+    selection: Selection | None = None,
 ) -> GenerateRequest:
     chunks = as_chunks(case.passages)
     return GenerateRequest(
@@ -99,7 +103,7 @@ def _prefill(variant: Variant, case: Case, oracles: OracleScores | None) -> Pref
     if variant.oracle is None:
         return variant.engine.prefill(request)
     assert oracles is not None
-    return variant.engine.prefill(request, token_scores=oracles.by_oracle[variant.oracle])
+    return variant.engine.prefill(request, oracles.by_oracle[variant.oracle])
 
 
 def _oracles(reference: Engine, full: Prefill, answer: list[int]) -> OracleScores:

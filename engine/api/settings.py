@@ -110,9 +110,13 @@ class EngineSettings(BaseSettings):
     min_recompute_ratio: float = Field(
         DEFAULT_RECOMPUTE_RATIO, ge=0, le=1, description="the controller's lowest ratio"
     )
-    check_layers: list[int] = Field([1], description="check layers, e.g. 1 or 1,2,3")
+    check_layers: list[int] = Field(
+        default_factory=list,
+        description="check layers, e.g. 1 or 1,7 or 1,2,3; empty: layer 1 and a quarter of the "
+        "model's depth (layer 1 alone below 8 layers)",
+    )
     selection: SelectionName = Field(
-        Selection.HKVD.value,
+        Selection.WEIGHTED.value,
         description="tokens cacheblend recomputes for requests that set no selection: hkvd "
         "(largest KV deviation), another score of docs/quality.md#token-selection, or random "
         "of the same budget, a research baseline that serving should not use",
@@ -202,9 +206,9 @@ class EngineSettings(BaseSettings):
 
     @field_validator("check_layers")
     @classmethod
-    def _check_layers_not_empty(cls, value: list[int]) -> list[int]:
-        if not value or min(value) < 0:
-            raise ValueError("check_layers needs at least one layer index >= 0")
+    def _check_layers_not_negative(cls, value: list[int]) -> list[int]:
+        if value and min(value) < 0:
+            raise ValueError("check_layers are layer indices >= 0")
         return value
 
     @field_validator("remote_url")

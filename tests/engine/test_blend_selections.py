@@ -137,7 +137,7 @@ def test_token_scores_rank_the_tokens_instead_of_the_selection(engine_for, make_
     wanted = blend_positions[3::7][:5]
     scores = tuple(1.0 if p in wanted else 0.0 for p in blend_positions)
     prefill = engine.prefill(
-        request(chunks, recompute_ratio=len(wanted) / len(blend_positions)), token_scores=scores
+        request(chunks, recompute_ratio=len(wanted) / len(blend_positions)), scores
     )
     assert prefill.blend.selection == "oracle"
     assert recomputed_positions(engine, prefill) == wanted
