@@ -50,7 +50,7 @@ def add_option_flag(parser: argparse.ArgumentParser, name: str, info: FieldInfo)
 
 def _help(info: FieldInfo) -> str | None:
     """The description, with the default as the services' flags show it (when there is one)."""
-    if info.is_required() or info.default is None:
+    if info.is_required() or info.default in (None, ()):
         return info.description
     default = _flag_value(info.default)
     shown = " ".join(map(str, default)) if isinstance(default, list) else default

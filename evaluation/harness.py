@@ -82,7 +82,7 @@ def evaluate(dataset: Path | str, out_dir: Path | str | None = None, **options: 
         contexts = retrieve(records, documents or corpus_of(records), opts.top_k, opts.progress)
     else:
         contexts = [list(record.passages) for record in records]
-    settings = settings_for(opts.modes, opts.ratios)
+    settings = settings_for(opts.modes, opts.ratios, opts.selections)
     engine = Engine.from_pretrained(
         opts.model, device=opts.device, dtype=opts.dtype, max_num_seqs=1
     )

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.contract import Selection
 from engine.types import ChunkOrder, Mode
 
 DEFAULT_MODES = (Mode.FULL_PREFILL, Mode.PREFIX_CACHE, Mode.FULL_REUSE, Mode.CACHEBLEND)
@@ -31,6 +32,12 @@ class EvalOptions(BaseModel):
     )
     ratios: tuple[Ratio, ...] = Field(
         DEFAULT_RATIOS, min_length=1, max_length=32, description="cacheblend recompute ratios"
+    )
+    selections: tuple[Selection, ...] = Field(
+        (),
+        max_length=len(Selection),
+        description="cacheblend token selections to compare, each at every ratio "
+        "(default: the engine's, hkvd)",
     )
     retrieval: bool = Field(
         False,

@@ -1,6 +1,6 @@
-"""The quality / TTFT trade-off figure: one point per setting (mode, recompute ratio), one panel
-per score (answer scores, then teacher-forced KL and argmax agreement), cacheblend's ratios
-joined by a line, like the CacheBlend paper's figures."""
+"""The quality / TTFT trade-off figure: one point per setting (mode, recompute ratio, token
+selection), one panel per score (answer scores, then teacher-forced KL and argmax agreement),
+cacheblend's ratios joined by a line per token selection, like the CacheBlend paper's figures."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ SCORES = (
 )
 PANELS_PER_ROW = 3
 MARKERS = {"full_prefill": "s", "prefix_cache": "D", "full_reuse": "v", "cacheblend": "o"}
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
 class MissingDependencyError(RuntimeError):
@@ -34,6 +35,16 @@ def require_matplotlib() -> None:
             "matplotlib is not installed: the quality/TTFT plot needs it "
             "(pip install 'ragblend[eval]', or pass --no-plot)"
         ) from None
+
+
+def blend_lines(rows: Sequence[Row]) -> dict[str | None, list[Row]]:
+    """Cacheblend's rows by token selection (None: the engine's), in the order they come, each
+    sorted by ratio: one line each."""
+    lines: dict[str | None, list[Row]] = {}
+    for row in rows:
+        if row.mode == "cacheblend":
+            lines.setdefault(row.selection, []).append(row)
+    return {s: sorted(line, key=lambda r: r.recompute_ratio or 0.0) for s, line in lines.items()}
 
 
 def plot_tradeoff(rows: Sequence[Row], path: Path, title: str) -> None:
@@ -52,18 +63,20 @@ def plot_tradeoff(rows: Sequence[Row], path: Path, title: str) -> None:
     for unused in panels[len(SCORES) :]:
         unused.set_visible(False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    blends = sorted(
-        (r for r in rows if r.mode == "cacheblend"), key=lambda r: r.recompute_ratio or 0.0
-    )
+    lines = blend_lines(rows)
     for ax, (field, name, bounded) in zip(panels, SCORES, strict=False):
-        if len(blends) > 1:
-            ax.plot(
-                [r.ttft_median_ms for r in blends],
-                [getattr(r, field) for r in blends],
-                color="grey",
-                linewidth=1,
-                zorder=2,
-            )
+        for j, (selection, line) in enumerate(lines.items()):
+            if len(line) > 1:
+                ax.plot(
+                    [r.ttft_median_ms for r in line],
+                    [getattr(r, field) for r in line],
+                    color="grey",
+                    linestyle=LINE_STYLES[j % len(LINE_STYLES)],
+                    linewidth=1,
+                    zorder=2,
+                    # Named in the legend only when there is more than one line to tell apart.
+                    label=f"cacheblend {selection}" if len(lines) > 1 else None,
+                )
         for i, row in enumerate(rows):
             ax.scatter(
                 row.ttft_median_ms,

@@ -27,9 +27,10 @@ DIGITS = 6  # of the means written out: more than any table shows
 class Row:
     """Mean scores of one setting over the questions of one kind (or all of them)."""
 
-    setting: str  # e.g. cacheblend@0.15
+    setting: str  # e.g. cacheblend@0.15, or cacheblend@0.15 weighted with --selections
     mode: str
     recompute_ratio: float | None
+    selection: str | None  # None: not cacheblend, or the engine's selection
     kind: str
     questions: int
     exact_match: float
@@ -53,6 +54,7 @@ def _row(setting: Setting, kind: str, outcomes: Sequence[Outcome]) -> Row:
         setting=setting.label,
         mode=setting.mode.value,
         recompute_ratio=setting.recompute_ratio,
+        selection=None if setting.selection is None else setting.selection.value,
         kind=kind,
         questions=len(outcomes),
         exact_match=mean("exact_match"),
@@ -96,6 +98,7 @@ def write_outcomes(outcomes: Sequence[Outcome], path: Path) -> None:
             line = asdict(outcome) | {
                 "mode": outcome.setting.mode.value,
                 "recompute_ratio": outcome.setting.recompute_ratio,
+                "selection": outcome.setting.selection,
             }
             del line["setting"]
             file.write(json.dumps(line) + "\n")

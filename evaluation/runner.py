@@ -1,5 +1,6 @@
-"""Answers one question in every setting (mode and recompute ratio) with an in-process engine,
-scoring each answer, its KV cache and its teacher-forced logits against gold and full prefill."""
+"""Answers one question in every setting (mode, recompute ratio, token selection) with an
+in-process engine, scoring each answer, its KV cache and its teacher-forced logits against gold
+and full prefill."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.contract import Selection
 from engine.engine import Engine
 from engine.types import Chunk, ChunkOrder, GenerateRequest, Mode
 from evaluation.dataset import Record
@@ -23,28 +25,38 @@ from evaluation.teacher_forcing import (
 
 @dataclass(frozen=True)
 class Setting:
-    """One way of building the prompt's KV: a mode and, for cacheblend, its ratio."""
+    """One way of building the prompt's KV: a mode and, for cacheblend, its ratio and token
+    selection (None: the engine's)."""
 
     mode: Mode
     recompute_ratio: float | None = None
+    selection: Selection | None = None
 
     @property
     def label(self) -> str:
+        """e.g. `cacheblend@0.15` (the engine's selection) or `cacheblend@0.15 weighted`."""
         if self.mode is Mode.CACHEBLEND:
-            return f"cacheblend@{self.recompute_ratio:g}"
+            label = f"cacheblend@{self.recompute_ratio:g}"
+            return label if self.selection is None else f"{label} {self.selection.value}"
         return self.mode.value
 
 
 REFERENCE = Setting(Mode.FULL_PREFILL)
 
 
-def settings_for(modes: Sequence[Mode], ratios: Sequence[float]) -> list[Setting]:
+def settings_for(
+    modes: Sequence[Mode], ratios: Sequence[float], selections: Sequence[Selection] = ()
+) -> list[Setting]:
     """Full prefill first (every other setting is compared with it), then each mode in the given
-    order, cacheblend once per ratio."""
+    order, cacheblend once per ratio and selection, ratio by ratio (once per ratio with the
+    engine's selection when `selections` is empty)."""
     settings = [REFERENCE]
+    picks: list[Selection | None] = list(dict.fromkeys(selections)) or [None]
     for mode in dict.fromkeys(modes):
         if mode is Mode.CACHEBLEND:
-            settings.extend(Setting(mode, r) for r in dict.fromkeys(ratios))
+            settings.extend(
+                Setting(mode, r, selection) for r in dict.fromkeys(ratios) for selection in picks
+            )
         elif mode is not Mode.FULL_PREFILL:
             settings.append(Setting(mode))
     return settings
@@ -86,6 +98,7 @@ def request_for(
         chunks=as_chunks(passages),
         mode=setting.mode,
         recompute_ratio=setting.recompute_ratio,
+        selection=setting.selection,
         max_tokens=max_tokens,
         temperature=0.0,
         chunk_order=chunk_order,

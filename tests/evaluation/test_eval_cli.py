@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from common.contract import Selection
 from demo import MODEL_DIR
 from engine.types import ChunkOrder, Mode
 from evaluation.cli import FLAGS
@@ -143,6 +144,22 @@ def test_the_flags_set_their_options():
     assert options.chunk_order is ChunkOrder.BEST_LAST and options.limit == 2
     assert options.dtype == "bfloat16" and not options.plot
     assert options.teacher_forced_tokens == 4
+    assert options.selections == ()  # none given: the engine's selection only
+
+
+def test_selections_takes_every_selection_and_refuses_another_naming_flag_and_value(capsys):
+    names = [selection.value for selection in Selection]
+    assert parsed_options("--selections", *names).selections == tuple(Selection)
+    options = parsed_options("--selections", "hkvd", "weighted")
+    assert options.selections == (Selection.HKVD, Selection.WEIGHTED)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        parsed_options("--selections", "hkvd", "best")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --selections: invalid choice: 'best'" in err and "weighted" in err
+    with pytest.raises(SystemExit):
+        parsed_options("--selections")  # one or more
 
 
 def test_a_choice_outside_the_options_values_is_refused_by_the_parser():
@@ -158,3 +175,7 @@ def test_the_help_of_a_flag_is_its_options_description_and_default(capsys):
     assert "passages retrieved per question (default 5)" in help_text
     assert "cacheblend recompute ratios (default 0.05 0.15 0.3 0.5)" in help_text
     assert "--no-plot skip the PNG (no matplotlib)" in help_text
+    assert "token selections to compare, each at every ratio (default: the engine's, hkvd)" in (
+        help_text
+    )
+    assert "(default )" not in help_text

@@ -1,9 +1,11 @@
 """evaluate() in process: retrieval brings each question the documents that match it, a
-missing matplotlib stops the run before any work, naming the package and the way out, and
-chunk_order best_last lays the passages out reversed."""
+missing matplotlib stops the run before any work, naming the package and the way out,
+chunk_order best_last lays the passages out reversed, and each token selection asked for is its
+own setting, passed to the engine and named in the outputs."""
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 
@@ -72,3 +74,48 @@ def test_best_last_evaluates_the_passages_reversed(tmp_path):
     assert best_last == pytest.approx(deviations("reversed.jsonl", "best_first"), abs=1e-6)
     as_given = deviations("as_given.jsonl", "best_first")
     assert max(abs(a - b) for a, b in zip(best_last, as_given, strict=True)) > 1e-4
+
+
+def test_each_selection_is_run_and_reported_as_its_own_setting(tmp_path, monkeypatch):
+    from engine.engine import Engine
+
+    asked: list[tuple[object, object]] = []  # (ratio, selection) of each cacheblend prefill
+    prefill = Engine.prefill
+
+    def spy(self, request, *args, **kwargs):
+        if request.mode == "cacheblend":
+            asked.append((request.recompute_ratio, request.selection))
+        return prefill(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "prefill", spy)
+    write_dataset(tmp_path / "data.jsonl", held_out(3, TEST_SEED), reverse=False)
+    report = evaluate(
+        tmp_path / "data.jsonl",
+        tmp_path / "out",
+        model=str(MODEL_DIR),
+        modes=["full_reuse", "cacheblend"],
+        ratios=[0.15],
+        selections=["hkvd", "random"],
+        max_tokens=4,
+        progress=False,
+    )
+    labels = ["full_prefill", "full_reuse", "cacheblend@0.15 hkvd", "cacheblend@0.15 random"]
+    assert [s.label for s in report.settings] == labels
+    assert asked == [(0.15, "hkvd"), (0.15, "random")] * 3
+    with (tmp_path / "out" / "summary.csv").open() as file:
+        table = {row["setting"]: row for row in csv.DictReader(file)}
+    assert list(table) == labels
+    assert [table[label]["selection"] for label in labels] == ["", "", "hkvd", "random"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [row["selection"] for row in summary["rows"]] == [None, None, "hkvd", "random"]
+    predictions = (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()
+    selections = [json.loads(line)["selection"] for line in predictions]
+    assert selections == [None, None, "hkvd", "random"] * 3
+    assert (tmp_path / "out" / "quality_vs_ttft.png").exists()
+    # The engine used each: the same budget picked at random leaves more of full reuse's
+    # deviation than HKVD's pick of the most deviating tokens, question by question.
+    deviations: dict[str, list[float]] = {}
+    for o in report.outcomes:
+        deviations.setdefault(o.setting.label, []).append(o.kv_deviation)
+    for hkvd, random in zip(deviations[labels[2]], deviations[labels[3]], strict=True):
+        assert hkvd < 0.8 * random
