@@ -1,21 +1,25 @@
 """Quality of blending on a real model (SmolLM2-135M-Instruct by default) over real text: teacher-
-forced KL from full prefill and prefill time of every mode, r, selection and check layer.
+forced KL from full prefill and prefill time of every mode, selection, r and check layer set.
 
-    .venv/bin/python bench/quality_real.py --threads 2     # 48 prompts of 4 x 128 tokens
-    .venv/bin/python bench/quality_real.py --threads 2 --prompts 8 --ratios 0.15 --check-layers 1
+    .venv/bin/python bench/quality_real.py --threads 2     # 24 prompts of 4 x 128 tokens
+    .venv/bin/python bench/quality_real.py --prompts 8 --ratios 0.15 --check-layers 1 --coverages
+    .venv/bin/python bench/quality_real.py --from-csv      # the tables and plot of the last run
 
 Prompts: `evaluation.real_text` (CPython's language reference and Debian's common licenses: they
 do not change with the repository), each of --chunks-per-prompt consecutive chunks of one
 document cut by the retriever's chunking (--chunk-tokens of the model's tokenizer) and a question
 on its first section. Per prompt, full prefill's greedy answer (--answer-tokens) is fed after
 each setting's prompt KV and the next-token distributions are compared at every answer position
-(evaluation.teacher_forcing). Settings: full_prefill, prefix_cache, full_reuse; cacheblend at
-every --ratios with HKVD and with a seeded random pick of the same budget, at check layer
---check-layers[0]; at the other check layers, cacheblend at --layer-ratios. Prefill time is that
-of the prompt with every chunk's KV in RAM, what its TTFT is made of.
+(evaluation.teacher_forcing). Settings: full_prefill, prefix_cache, full_reuse; cacheblend with
+every --selections (the oracles of engine/oracle.py included) at every --ratios on the first
+--check-layers set, --deep-selections at every ratio on the next --curves - 1 sets, every serving
+selection at --layer-ratios on the other sets, and the auto ratio at each --coverages on the
+curve sets. Prefill time is that of the prompt with every chunk's KV in RAM, what its TTFT is
+made of.
 
-Writes bench/results/quality_real.csv (one row per setting) and docs/quality_real.png (KL
-against prefill time relative to full prefill), and prints the table.
+Writes bench/results/quality_real.csv (one row per setting), bench/results/quality_real-
+prompts.csv (one per prompt and setting) and docs/quality_real.png (KL against prefill time
+relative to full prefill), and prints the table and each curve against HKVD at r = 0.15.
 """
 
 from __future__ import annotations
@@ -279,67 +283,86 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str, first_layers: str) -> None:
+# One colour per selection (the oracles in greys), one line style per check layer set.
+COLORS = {
+    "hkvd": "C0",
+    "query_hkvd": "C1",
+    "sink": "C2",
+    "weighted": "C3",
+    "query": "C4",
+    "sink_hkvd": "C5",
+    "random": "C7",
+    "oracle-weighted": "k",
+    "oracle-deviation": "0.4",
+    "oracle-attention": "0.65",
+}
+STYLES = ("o-", "s--", "^:", "v-.")
+
+
+def plot(rows: list[dict], path: Path, title: str, check_layers: list[str]) -> None:
     """Teacher-forced KL against prefill time relative to full prefill: one line per selection
-    at each check layer through its ratios, the baselines as single points."""
+    and check layer set through its ratios (auto ratios as crosses), full reuse as a point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    lines: dict[tuple[str, int], list[dict]] = {}
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    lines: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         if row["mode"] == Mode.CACHEBLEND.value:
             lines.setdefault((row["selection"], row["check_layer"]), []).append(row)
-    for i, ((selection, layer), line) in enumerate(sorted(lines.items())):
-        ratios = [r for r in line if not isinstance(r["recompute_ratio"], str)]
-        if layer != first_layers and len(ratios) < 2:
+    for (selection, layers), line in sorted(lines.items()):
+        ratios = sorted(
+            (r for r in line if not isinstance(r["recompute_ratio"], str)),
+            key=lambda r: r["recompute_ratio"],
+        )
+        if len(ratios) < 2:
             continue
-        ratios.sort(key=lambda r: r["recompute_ratio"])
+        color = COLORS.get(selection, "C9")
         ax.plot(
             [r["prefill_vs_full_median"] for r in ratios],
             [r["tf_kl_mean"] for r in ratios],
-            "o-" if layer == first_layers else ":",
-            color=f"C{i % 10}",
-            label=f"{selection}, check layer {layer}",
+            STYLES[check_layers.index(layers) % len(STYLES)] if layers in check_layers else "o-",
+            color=color,
+            markersize=4,
+            label=f"{selection}, check layers {layers}",
         )
         autos = [r for r in line if r["recompute_ratio"] == AUTO_RATIO]
-        if autos:
-            ax.scatter(
-                [r["prefill_vs_full_median"] for r in autos],
-                [r["tf_kl_mean"] for r in autos],
-                marker="x",
-                color=f"C{i % 10}",
-                s=60,
-            )
-        if layer == first_layers and selection == Selection.HKVD.value:
+        ax.scatter(
+            [r["prefill_vs_full_median"] for r in autos],
+            [r["tf_kl_mean"] for r in autos],
+            marker="x",
+            color=color,
+            s=40,
+        )
+        if layers == check_layers[0] and selection == Selection.HKVD.value:
             for r in ratios:
                 ax.annotate(
-                    f"{r['recompute_ratio']:g}",
+                    f"r={r['recompute_ratio']:g}",
                     (r["prefill_vs_full_median"], r["tf_kl_mean"]),
                     fontsize=7,
-                    xytext=(3, 3),
+                    xytext=(3, -10),
                     textcoords="offset points",
                 )
-    for row, marker in zip(
-        [r for r in rows if r["mode"] != Mode.CACHEBLEND.value], ("*", "D", "v"), strict=False
-    ):
+    reuse = next((r for r in rows if r["mode"] == Mode.FULL_REUSE.value), None)
+    if reuse is not None:
         ax.scatter(
-            row["prefill_vs_full_median"],
-            row["tf_kl_mean"],
-            marker=marker,
-            s=90,
-            color="k",
-            zorder=3,
-            label=row["setting"],
+            reuse["prefill_vs_full_median"], reuse["tf_kl_mean"], marker="v", s=80, color="k"
         )
-    ax.set_yscale("symlog", linthresh=1e-3)
-    ax.set_xlabel("prefill time (TTFT) relative to full prefill, median over prompts")
+        ax.annotate(
+            "full reuse",
+            (reuse["prefill_vs_full_median"], reuse["tf_kl_mean"]),
+            fontsize=8,
+            xytext=(6, 0),
+            textcoords="offset points",
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("prefill time (TTFT) relative to full prefill (KL 0 at 1.0), median over prompts")
     ax.set_ylabel("teacher-forced KL(full ‖ setting), nats per answer token")
-    ax.set_title(textwrap.fill(title, 80), fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.set_title(textwrap.fill(title + "; x: the auto ratio", 90), fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6.5, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -393,7 +416,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint folder (default: the packaged SmolLM2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--prompts", type=positive, default=48)
+    parser.add_argument("--prompts", type=positive, default=24)
     parser.add_argument("--chunk-tokens", type=positive, default=128)
     parser.add_argument("--chunks-per-prompt", type=positive, default=4)
     parser.add_argument("--answer-tokens", type=positive, default=16)
@@ -477,7 +500,7 @@ def main() -> None:
             auto_max_ratio=args.auto_max_ratio,
             max_num_seqs=1,
             # Prefills here build their KV outside the pool: one small slot per engine.
-            max_model_len=VARIANT_MODEL_LEN,
+            max_model_len=min(VARIANT_MODEL_LEN, reference.max_model_len),
             kv_pool_bytes=VARIANT_POOL_BYTES,
         )
         for s in settings
@@ -542,7 +565,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def report(rows: list[dict], args: argparse.Namespace, title: str) -> None:
-    plot(rows, args.png, title, args.check_layers[0])
+    plot(rows, args.png, title, args.check_layers)
     print(markdown_table(rows))
     print(f"\nagainst {REFERENCE_SETTING} (targets: KL <= 0.5 x at its time, or time <= 0.6 x")
     print("at its KL)\n")

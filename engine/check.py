@@ -3,6 +3,8 @@ for them, and the budget (fixed, or the auto ratio's) of the tokens recomputed f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.layers import LayerOps
@@ -63,7 +65,8 @@ def check_scores(
         return paid[indices(chosen_positions, device)]
 
     offsets = [p - chunk_start[p] for p in chosen_positions]
-    return CheckScores(deviation, attention, offsets, generator)
+    # Cached: the auto ratio's mass and the pick may ask for the same score.
+    return CheckScores(functools.cache(deviation), functools.cache(attention), offsets, generator)
 
 
 def check_keeps(

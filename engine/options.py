@@ -18,9 +18,10 @@ class EngineOptions:
     `max_waiting` more requests queue beyond the free slots; past that `start()` raises
     QueueFullError. `shadow` samples blended requests for shadow checks (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
-    research baseline); the default, `weighted` over the default check layers, is the best
-    measured at equal TTFT (docs/quality.md). `recompute_ratio="auto"` (or a request's) lets the check layer keep
-    the tokens that cover `auto_coverage` of the selection's mass, at most `auto_max_ratio`.
+    research baseline); the default, `query_hkvd` over the default check layers, is the best
+    measured at equal TTFT (docs/quality.md), `hkvd` where one check layer is all there is.
+    `recompute_ratio="auto"` (or a request's) lets the check layer keep the tokens that cover
+    `auto_coverage` of the selection's mass, at most `auto_max_ratio`.
     `default_penalties` apply to requests that leave a penalty unset.
     """
 
@@ -36,8 +37,8 @@ class EngineOptions:
     max_prefill_tokens: int = 8192
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
-    selection: Selection = Selection.WEIGHTED
-    auto_coverage: float = 0.5
+    selection: Selection | None = None  # None: default_selection() of the check layers
+    auto_coverage: float = 0.8
     auto_max_ratio: float = 0.5
     default_penalties: Penalties = NO_PENALTIES
 
@@ -47,6 +48,13 @@ class EngineOptions:
         if not all(0 <= layer < num_layers for layer in layers):
             raise ValueError(f"check layers {layers} outside the model's 0..{num_layers - 1}")
         return layers
+
+
+def default_selection(check_layers: tuple[int, ...]) -> Selection:
+    """`query_hkvd` when the last check layer is deeper than the first (it reads the question's
+    attention there), else `hkvd`: at one early layer attention is mostly positional, and
+    picking by it did worse than HKVD alone (docs/quality.md, "Token selection")."""
+    return Selection.QUERY_HKVD if max(check_layers) > min(check_layers) else Selection.HKVD
 
 
 def default_check_layers(num_layers: int) -> tuple[int, ...]:

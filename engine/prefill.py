@@ -12,7 +12,7 @@ import torch
 from engine.blend import PrefillOutput, run_prefill
 from engine.controller import Controller
 from engine.layers import LayerOps
-from engine.options import EngineOptions
+from engine.options import EngineOptions, default_selection
 from engine.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.prefix_cache import PrefixCache
 from engine.prompt import PromptLayout
@@ -112,7 +112,7 @@ class Prefiller:
         prefix_cache: PrefixCache | None = None,
         kv_read_delay_s: float = 0.0,
         selection: Selection = Selection.HKVD,
-        auto_coverage: float = 0.5,
+        auto_coverage: float = 0.8,
         auto_max_ratio: float = 0.5,
     ):
         self.ops = ops
@@ -146,7 +146,7 @@ class Prefiller:
             options.recompute_ratio,
             PrefixCache(options.prefix_cache_entries, store, fingerprint),
             options.kv_read_delay_s,
-            options.selection,
+            options.selection or default_selection(check_layers),
             options.auto_coverage,
             options.auto_max_ratio,
         )

@@ -34,7 +34,7 @@ class RatioPolicy:
         check_layers: tuple[int, ...],
         controller: Controller,
         recompute_ratio: float | str | None,
-        auto_coverage: float = 0.5,
+        auto_coverage: float = 0.8,
         auto_max_ratio: float = 0.5,
     ):
         self.ops = ops

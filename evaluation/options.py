@@ -37,7 +37,7 @@ class EvalOptions(BaseModel):
         (),
         max_length=len(Selection),
         description="cacheblend token selections to compare, each at every ratio "
-        "(default: the engine's, hkvd)",
+        "(default: the engine's own)",
     )
     retrieval: bool = Field(
         False,

@@ -66,7 +66,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         loaded,
         store,
         check_layers=tuple(settings.check_layers),
-        selection=Selection(settings.selection),
+        selection=Selection(settings.selection) if settings.selection else None,
         recompute_ratio=settings.recompute_ratio,
         min_recompute_ratio=settings.min_recompute_ratio,
         auto_coverage=settings.auto_coverage,

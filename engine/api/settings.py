@@ -115,17 +115,20 @@ class EngineSettings(BaseSettings):
         description="check layers, e.g. 1 or 1,7 or 1,2,3; empty: layer 1 and a quarter of the "
         "model's depth (layer 1 alone below 8 layers)",
     )
-    selection: SelectionName = Field(
-        Selection.WEIGHTED.value,
-        description="tokens cacheblend recomputes for requests that set no selection: hkvd "
-        "(largest KV deviation), another score of docs/quality.md#token-selection, or random "
-        "of the same budget, a research baseline that serving should not use",
+    selection: SelectionName | None = Field(
+        None,
+        description="tokens cacheblend recomputes for requests that set no selection; unset: "
+        "query_hkvd (half by the question's attention, half by KV deviation: the best "
+        "measured) when the last check layer is deeper than the first, else hkvd (largest KV "
+        "deviation, CacheBlend's); another of docs/quality.md#token-selection, or random of "
+        "the same budget, a research baseline that serving should not use",
     )
     auto_coverage: float = Field(
-        0.5,
+        0.8,
         gt=0,
         le=1,
-        description="share of the selection's score mass that recompute_ratio auto recomputes",
+        description="share of the selection's score mass that recompute_ratio auto recomputes "
+        "(0.8: with hkvd at layer 1, about r = 0.15 on average over real text)",
     )
     auto_max_ratio: float = Field(
         0.5,

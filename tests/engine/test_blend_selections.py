@@ -11,6 +11,7 @@ import torch
 from demo.tiny import FAMILIES
 from engine.blend import run_prefill
 from engine.engine import Engine
+from engine.options import default_check_layers, default_selection
 from engine.oracle import Oracle, oracle_scores
 from engine.plan import ChunkSource
 from engine.selection import Selection, token_deviation
@@ -173,3 +174,32 @@ def test_oracle_deviation_is_the_full_prefills_kv_deviation_summed_over_layers(
     )
     attention = torch.tensor(scores.by_oracle[Oracle.ATTENTION])
     assert (attention >= 0).all() and float(attention.sum()) <= engine.ops.shape.num_layers
+
+
+def test_default_check_layers_are_layer_one_and_a_quarter_of_the_depth():
+    assert default_check_layers(30) == (1, 7)
+    assert default_check_layers(32) == (1, 8)
+    assert default_check_layers(8) == (1, 2)
+    assert default_check_layers(4) == (1,)
+    assert default_check_layers(1) == (0,)
+
+
+def test_default_selection_weights_by_attention_only_with_a_deeper_last_check_layer():
+    assert default_selection((1, 7)) is Selection.QUERY_HKVD
+    assert default_selection((1,)) is Selection.HKVD
+    assert default_selection((2, 2)) is Selection.HKVD
+
+
+@pytest.mark.parametrize(
+    ("check_layers", "expected"), [((1,), Selection.HKVD), ((1, 2), Selection.QUERY_HKVD)]
+)
+def test_an_engine_without_a_selection_uses_the_default_of_its_check_layers(
+    engine_for, make_chunks, check_layers, expected
+):
+    engine = engine_for("llama", check_layers)
+    chunks = make_chunks(3, seed=103)
+    engine.precompute(chunks)
+    prefill = engine.prefill(request(chunks, recompute_ratio=0.2))
+    assert prefill.blend.selection == expected.value
+    asked = engine.prefill(request(chunks, recompute_ratio=0.2, selection=Selection.SINK))
+    assert asked.blend.selection == Selection.SINK.value
