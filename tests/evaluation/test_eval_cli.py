@@ -175,7 +175,7 @@ def test_the_help_of_a_flag_is_its_options_description_and_default(capsys):
     assert "passages retrieved per question (default 5)" in help_text
     assert "cacheblend recompute ratios (default 0.05 0.15 0.3 0.5)" in help_text
     assert "--no-plot skip the PNG (no matplotlib)" in help_text
-    assert "token selections to compare, each at every ratio (default: the engine's, hkvd)" in (
+    assert "token selections to compare, each at every ratio (default: the engine's own)" in (
         help_text
     )
     assert "(default )" not in help_text
