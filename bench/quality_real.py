@@ -431,13 +431,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--curves",
-        type=int,
+        type=positive,
         default=CURVES,
         help="how many of the first check layer sets get every ratio",
     )
     parser.add_argument(
         "--deep-selections",
         nargs="+",
+        choices=[s.value for s in Selection],
         default=list(DEEP_SELECTIONS),
         help="the selections measured at every ratio on the curve sets after the first",
     )

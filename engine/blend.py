@@ -113,8 +113,9 @@ def run_prefill(
 
         if i in ratios:
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
+            layer = (q, k, v, k_layer)
             scores = check_scores(
-                ops, i, plan, positions, candidates, (q, k, v, k_layer), streamed, generator
+                ops, i, plan, positions, candidates, layer, streamed, generator, blend_row
             )
             chosen = check_keeps(plan, scores, ratios[i], i == checks[-1], blend_row, positions)
             if chosen is not None:

@@ -3,6 +3,7 @@ for them, and the budget (fixed, or the auto ratio's) of the tokens recomputed f
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
@@ -30,23 +31,19 @@ def check_scores(
     layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     streamed: list[tuple[torch.Tensor, torch.Tensor]],
     generator: torch.Generator | None,
+    blend_row: dict[int, int],
 ) -> CheckScores:
     """The scores of a check layer's candidates (indices into `positions`), each computed
     when a selection first asks: `layer` holds the computed tokens' rotated q, pre-RoPE k and
-    v, and the layer's whole key cache; `streamed` the cached KV of the streamed chunks."""
+    v, and the layer's whole key cache; `streamed` the cached KV of the streamed chunks;
+    `blend_row` maps a blended position to its row in `plan.blend_positions`."""
     q, k, v, k_layer = layer
     device = k.device
-    blend_row = {p: row for row, p in enumerate(plan.blend_positions)}
-    streamed_chunks = plan.streamed_chunks
     blend_slots = [
-        slot for slot, j in enumerate(streamed_chunks) if plan.chunk_sources[j] is ChunkSource.BLEND
+        slot
+        for slot, j in enumerate(plan.streamed_chunks)
+        if plan.chunk_sources[j] is ChunkSource.BLEND
     ]
-    chunk_start = {
-        p: start
-        for j in streamed_chunks
-        for start, n in [plan.chunk_spans[j]]
-        for p in range(start, start + n)
-    }
     chosen_positions = [positions[j] for j in candidates]
 
     def deviation() -> torch.Tensor:
@@ -64,7 +61,9 @@ def check_scores(
         paid = query_attention(q[:, first:], k_layer, suffix, ops.attention_scale(index))
         return paid[indices(chosen_positions, device)]
 
-    offsets = [p - chunk_start[p] for p in chosen_positions]
+    # Every candidate is a blended chunk token: its chunk is the last one starting at or before it.
+    starts = [start for start, _ in plan.chunk_spans]
+    offsets = [p - starts[bisect.bisect_right(starts, p) - 1] for p in chosen_positions]
     # Cached: the auto ratio's mass and the pick may ask for the same score.
     return CheckScores(functools.cache(deviation), functools.cache(attention), offsets, generator)
 
@@ -84,9 +83,9 @@ def check_keeps(
     Caller-given `plan.token_scores` (an oracle's) rank instead of the selection.
     """
     n = len(scores.offsets)
+    selection = plan.selection if last_check else early(plan.selection)
     budget = selection_budget(ratio, len(blend_row))
     if plan.coverage is not None:
-        selection = plan.selection if last_check else early(plan.selection)
         low = min(budget, selection_budget(plan.min_ratio, len(blend_row)))
         budget = coverage_budget(auto_mass(selection, scores), plan.coverage, low, budget)
     if plan.token_scores is not None:
@@ -99,7 +98,7 @@ def check_keeps(
     # baseline still draws, so its generator stays where later checks expect).
     if budget >= n and scores.generator is None:
         return None
-    return select(plan.selection if last_check else early(plan.selection), scores, budget)
+    return select(selection, scores, budget)
 
 
 def early(selection: Selection) -> Selection:

@@ -17,6 +17,7 @@ from engine.prefill import Prefill
 from engine.selection import Selection
 from engine.types import Chunk, GenerateRequest, Mode
 from evaluation.teacher_forcing import ANSWER_TOKENS, answers_logits, greedy_answers
+from kvstore.types import ChunkKV
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,12 @@ def _prefill(variant: Variant, case: Case, oracles: OracleScores | None) -> Pref
     return variant.engine.prefill(request, oracles.by_oracle[variant.oracle])
 
 
+def _chunk_kv(reference: Engine, tokens: tuple[int, ...]) -> ChunkKV:
+    """The chunk's KV as precomputed into the store's memory tier (computed again if evicted)."""
+    stored = reference.store.get_local(reference.chunk_key(tokens))
+    return stored if stored is not None else reference.prefiller.compute_chunk_kv(tokens)
+
+
 def _oracles(reference: Engine, full: Prefill, answer: list[int]) -> OracleScores:
     """The oracle scores of a prompt: its full prefill's answer appended, every chunk blended."""
     layout = full.layout
@@ -113,7 +120,7 @@ def _oracles(reference: Engine, full: Prefill, answer: list[int]) -> OracleScore
         reference.ops,
         layout.token_ids + tuple(answer),
         layout.chunk_spans,
-        [reference.prefiller.compute_chunk_kv(tokens) for tokens in layout.chunks],
+        [_chunk_kv(reference, tokens) for tokens in layout.chunks],
         full.plan.suffix_start,
     )
 
