@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionPlan
+from engine.budget import Pausable, StepBudget, run_to_end, wait
 from engine.check import check_keeps, check_scores, indices
 from engine.layers import LayerOps
 from engine.plan import PrefillPlan
@@ -38,7 +39,6 @@ class PrefillOutput:
     pre_rope_keys: torch.Tensor | None = None  # [L, H_kv, T, D] when the plan asks for them
 
 
-@torch.inference_mode()
 def run_prefill(
     ops: LayerOps,
     plan: PrefillPlan,
@@ -46,12 +46,29 @@ def run_prefill(
     stream: LayerStream | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> PrefillOutput:
-    """Execute `plan` and return the KV cache of the whole prompt plus the last logits.
+    """Execute `plan` whole and return the KV cache of the whole prompt plus the last logits.
 
     `prefix_kv` is required when `plan.prefix_cached`; `stream` must deliver, per layer, the
     KV of `plan.streamed_chunks` in that order. `out` (keys, values) [L, H_kv, T, D] receives
     the prompt's KV (a KV-pool slot); without it the KV is allocated.
     """
+    return run_to_end(prefill_steps(ops, plan, prefix_kv, stream, out, StepBudget()))
+
+
+def prefill_steps(
+    ops: LayerOps,
+    plan: PrefillPlan,
+    prefix_kv: ChunkKV | None,
+    stream: LayerStream | None,
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    budget: StepBudget,
+) -> Pausable[PrefillOutput]:
+    """`run_prefill` in pieces: a layer's rows are computed in pieces while `budget` lasts, and
+    the loop pauses (yields) between pieces when it is spent. A check layer projects all its
+    rows at once (the check compares every candidate); only its attention and MLP are pieced.
+    Pieces give the same result as the whole layer: each row's attention reads the keys of
+    the rows before it, which earlier pieces (or the cache) wrote. Drive it with
+    engine.budget's `advance` or `run_to_end` (they run each resumption in inference mode)."""
     assert plan.prefix_cached == (prefix_kv is not None)
     assert prefix_kv is None or prefix_kv.rotated, (
         "a prefix's keys are used where they were rotated"
@@ -86,6 +103,7 @@ def run_prefill(
     first_needed = plan.first_streamed_layer
     kv_wait_s, layer_computes = 0.0, []
     for i in range(num_layers):
+        yield from wait(budget)
         wait_start = time.perf_counter()
         streamed = stream.layer(i) if stream is not None and i >= first_needed else []
         compute_start = time.perf_counter()
@@ -104,14 +122,14 @@ def run_prefill(
             v_layer[:, start:end] = v_cached
 
         num_computed = h.shape[0]
-        q, k, v = ops.project_qkv(i, h)
-        if pre_rope is not None:
-            computed.write(pre_rope[i], k)
-        q = ops.rotate(q, computed.cos, computed.sin)
-        computed.write(k_layer, ops.rotate(k, computed.cos, computed.sin))
-        computed.write(v_layer, v)
-
         if i in ratios:
+            # The check compares every candidate: the layer projects all its rows at once.
+            q, k, v = ops.project_qkv(i, h)
+            if pre_rope is not None:
+                computed.write(pre_rope[i], k)
+            q = ops.rotate(q, computed.cos, computed.sin)
+            computed.write(k_layer, ops.rotate(k, computed.cos, computed.sin))
+            computed.write(v_layer, v)
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
             layer = (q, k, v, k_layer)
             scores = check_scores(
@@ -126,9 +144,9 @@ def run_prefill(
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
                 computed = _Computed(ops, positions, cos, sin, streamed_spans)
-
-        attn_out = ops.attend(i, q, k_layer, v_layer, computed.attention)
-        h = ops.finish_layer(i, h, attn_out)
+            h = yield from _attend_pieces(ops, i, h, q, (k_layer, v_layer), computed, budget)
+        else:
+            h = yield from _layer_pieces(ops, i, h, (k_layer, v_layer), pre_rope, computed, budget)
         layer_computes.append(LayerCompute(i, compute_start, time.perf_counter(), num_computed))
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
@@ -141,6 +159,59 @@ def run_prefill(
         layer_computes=layer_computes,
         pre_rope_keys=pre_rope,
     )
+
+
+def _layer_pieces(
+    ops: LayerOps,
+    i: int,
+    h: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    pre_rope: torch.Tensor | None,
+    computed: _Computed,
+    budget: StepBudget,
+) -> Pausable[torch.Tensor]:
+    """Layer i over the computed rows, piece by piece in position order: each piece projects
+    its rows, writes their KV, then attends over every key up to its last position."""
+    k_layer, v_layer = cache
+    outputs, start = [], 0
+    while start < h.shape[0]:
+        yield from wait(budget)
+        end = start + budget.piece(h.shape[0] - start)
+        part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
+        q, k, v = ops.project_qkv(i, h[start:end])
+        if pre_rope is not None:
+            part.write(pre_rope[i], k)
+        q = ops.rotate(q, part.cos, part.sin)
+        part.write(k_layer, ops.rotate(k, part.cos, part.sin))
+        part.write(v_layer, v)
+        attn_out = ops.attend(i, q, k_layer, v_layer, part.attention)
+        outputs.append(ops.finish_layer(i, h[start:end], attn_out))
+        budget.spend(end - start)
+        start = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _attend_pieces(
+    ops: LayerOps,
+    i: int,
+    h: torch.Tensor,
+    q: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    computed: _Computed,
+    budget: StepBudget,
+) -> Pausable[torch.Tensor]:
+    """The attention and MLP of layer i, piece by piece, once every row's KV is written."""
+    k_layer, v_layer = cache
+    outputs, start = [], 0
+    while start < h.shape[0]:
+        yield from wait(budget)
+        end = start + budget.piece(h.shape[0] - start)
+        part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
+        attn_out = ops.attend(i, q[:, start:end], k_layer, v_layer, part.attention)
+        outputs.append(ops.finish_layer(i, h[start:end], attn_out))
+        budget.spend(end - start)
+        start = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 # Beyond this many contiguous runs, the computed positions' KV is written by one indexed copy.
@@ -160,6 +231,7 @@ class _Computed:
         sin: torch.Tensor,
         streamed_spans: list[tuple[int, int]],
     ):
+        self.positions, self._tables = positions, (cos, sin)
         self.active = active = indices(positions, cos.device)
         self.cos, self.sin = cos[active], sin[active]
         self.attention: AttentionPlan = ops.attention_plan(positions)
@@ -173,6 +245,10 @@ class _Computed:
         for p in positions:
             flags[p] = 1
         self.covers_chunk = [all(flags[s : s + n]) for s, n in streamed_spans]
+
+    def part(self, ops: LayerOps, start: int, end: int) -> _Computed:
+        """Rows start..end-1 alone: one piece of a layer."""
+        return _Computed(ops, self.positions[start:end], *self._tables, [])
 
     def write(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
         """cache[:, active] = rows, for a cache [H_kv, T, D] and rows [H_kv, n, D]."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.blend import PrefillOutput, run_prefill
+from engine.blend import PrefillOutput, prefill_steps, run_prefill
+from engine.budget import Pausable, StepBudget, run_to_end
 from engine.controller import Controller
 from engine.layers import LayerOps
 from engine.options import EngineOptions, default_selection
@@ -187,8 +188,21 @@ class Prefiller:
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
         opened: KVLayerStream | None = None,
     ) -> Prefill:
-        """`prefill` with what `request` asks of the blend."""
-        return self.prefill(
+        """`prefill` with what `request` asks of the blend, whole."""
+        steps = self.request_steps(layout, request, StepBudget(), token_scores, out, opened)
+        return run_to_end(steps)
+
+    def request_steps(
+        self,
+        layout: PromptLayout,
+        request: GenerateRequest,
+        budget: StepBudget,
+        token_scores: tuple[float, ...] | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        opened: KVLayerStream | None = None,
+    ) -> Pausable[Prefill]:
+        """`prefill_request` in pieces under a step's `budget` (engine/budget.py)."""
+        return self.prefill_steps(
             layout,
             request.mode,
             request.recompute_ratio,
@@ -197,6 +211,7 @@ class Prefiller:
             selection=request.selection,
             max_recompute_ratio=request.max_recompute_ratio,
             token_scores=token_scores,
+            budget=budget,
         )
 
     def prefill(
@@ -221,6 +236,34 @@ class Prefiller:
         so a bad entry never fails a request. `opened` is the stream `open_ahead` returned for
         this prompt (the prefill takes it over and closes it; a retry opens a fresh one).
         """
+        return run_to_end(
+            self.prefill_steps(
+                layout,
+                mode,
+                recompute_ratio,
+                out,
+                opened,
+                selection=selection,
+                max_recompute_ratio=max_recompute_ratio,
+                token_scores=token_scores,
+                budget=StepBudget(),
+            )
+        )
+
+    def prefill_steps(
+        self,
+        layout: PromptLayout,
+        mode: Mode,
+        recompute_ratio: float | str | None,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+        opened: KVLayerStream | None,
+        *,
+        selection: Selection | None,
+        max_recompute_ratio: float | None,
+        token_scores: tuple[float, ...] | None,
+        budget: StepBudget,
+    ) -> Pausable[Prefill]:
+        """`prefill` in pieces: it pauses whenever the step's `budget` is spent."""
         blend = _BlendAsk(
             recompute_ratio, selection or self.selection, max_recompute_ratio, token_scores
         )
@@ -235,7 +278,9 @@ class Prefiller:
                 opened = self._open(mode, keys, excluded, first)
             stream, opened = opened, None
             try:
-                attempt = self._attempt(layout, mode, blend, prefix_kv, stream, out)
+                attempt = yield from self._attempt(
+                    layout, mode, blend, prefix_kv, stream, (out, budget)
+                )
                 break
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
@@ -262,10 +307,10 @@ class Prefiller:
         blend: _BlendAsk,
         prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> _Attempt:
-        """One run of the layer loop over what `stream` found; KVStreamError when a streamed
-        entry turns out bad."""
+        into: tuple[tuple[torch.Tensor, torch.Tensor] | None, StepBudget],
+    ) -> Pausable[_Attempt]:
+        """One run of the layer loop over what `stream` found, into `out` under `budget`
+        (`into`); KVStreamError when a streamed entry turns out bad."""
         num_chunks = len(layout.chunks)
         present = stream.present if stream is not None else [False] * num_chunks
         tiers: list[str | None] = stream.tiers if stream is not None else [None] * num_chunks
@@ -273,7 +318,9 @@ class Prefiller:
             layout, mode, blend.ratio, tiers, prefix_kv is not None, blend.max_ratio
         )
         if choice.full_prefill:
-            return self._fallback(layout, choice, prefix_kv, stream, out, present, tiers)
+            return (
+                yield from self._fallback(layout, choice, prefix_kv, stream, into, present, tiers)
+            )
         plan = replace(
             plan_prefill(
                 layout,
@@ -291,7 +338,8 @@ class Prefiller:
         used = stream if plan.streamed_chunks else None
         if used is not None:
             used.skip_to(plan.first_streamed_layer)
-        output = run_prefill(self.ops, plan, prefix_kv if plan.prefix_cached else None, used, out)
+        prefix = prefix_kv if plan.prefix_cached else None
+        output = yield from prefill_steps(self.ops, plan, prefix, used, *into)
         return _Attempt(choice, plan, output, present, tiers, used=used)
 
     def _fallback(
@@ -300,10 +348,10 @@ class Prefiller:
         choice: RatioChoice,
         prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
+        into: tuple[tuple[torch.Tensor, torch.Tensor] | None, StepBudget],
         present: list[bool],
         tiers: list[str | None],
-    ) -> _Attempt:
+    ) -> Pausable[_Attempt]:
         """The controller found blending slower than computing: reuse only the cached prefix.
         `stream` stays unread but open until the compute is done: its loader, already at work,
         probes the tiers off the critical path (the controller learns from it)."""
@@ -315,7 +363,8 @@ class Prefiller:
             1.0,
             choice.check_layers,
         )
-        output = run_prefill(self.ops, plan, prefix_kv if plan.prefix_cached else None, None, out)
+        prefix = prefix_kv if plan.prefix_cached else None
+        output = yield from prefill_steps(self.ops, plan, prefix, None, *into)
         return _Attempt(choice, plan, output, present, tiers, probe=stream)
 
     def _report(self, layout: PromptLayout, mode: Mode, attempt: _Attempt, start: float) -> Prefill:
