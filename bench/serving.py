@@ -1,18 +1,21 @@
-"""Serving benchmark of the continuous-batching engine: TTFT under Poisson load, batched decode
-throughput, and decode step time against context length. A benchmark, never run as a test.
+"""Serving benchmark of the continuous-batching engine: TTFT and TPOT under Poisson load and past
+the sustained rate, batched decode throughput, and decode step time against context length.
 
 One run, one loaded model (random init of a real shape) and one KV store shared by every engine:
 
-1. Serving. Each request is 6 chunks x 512 tokens drawn from a pool of precomputed chunks
-   (KV in the memory tier) plus a random 32-token question, and decodes 32 tokens
-   (ignore_eos). full_prefill and cacheblend (r = 0.15), each with the batching scheduler
-   (max_num_seqs 16) and with max_num_seqs = 1 (one sequence at a time). Each mode's unloaded
-   TTFT is measured first (requests one at a time); the request rates are fractions of
-   1 / unloaded TTFT. Every point is bounded by a request count and a time limit; requests
-   still unanswered when the point ends are cancelled and count with the TTFT they had
-   reached (a lower bound). Reports TTFT p50/p99, queue p50, tokens/s, completed, refused
-   (QueueFullError, the service's 429), and the highest rate each (mode, scheduler) sustains
-   with TTFT p50 <= 2x its unloaded TTFT.
+1. Serving. Each request is 6 chunks x 512 tokens (or, with `--prompt-chunks`, a seeded draw
+   of chunk counts) from a pool of precomputed chunks (KV in the memory tier) plus a random
+   32-token question, and decodes 32 tokens (ignore_eos). full_prefill and cacheblend
+   (r = 0.15), each with the batching scheduler (max_num_seqs 16) and with max_num_seqs = 1
+   (one sequence at a time). Each mode's unloaded TTFT and TPOT are measured first (requests
+   one at a time); the request rates are fractions of 1 / unloaded TTFT, then the
+   `--overload-factors` times the highest rate each (mode, scheduler) sustains with TTFT
+   p50 <= 2x its unloaded TTFT. Arrivals are bounded by a request count and a time limit; then
+   the point waits until every admitted request has answered, at most a generous cap; those
+   still unanswered are cancelled and count with the TTFT they had reached (a lower bound).
+   Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed, refused
+   (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
+   every admitted request completes, TPOT p99 <= 3x unloaded, tokens/s >= the lower rates'.
 2. Decode throughput: one batched decode step (`engine.runner.decode`) at 1, 4, 16 and 64
    sequences of ~3.2K context, tokens/s and the ratio to batch 1.
 3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention
@@ -20,7 +23,8 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
 
 CPU default: llama-124m shape in bfloat16; `--device cuda`: mistral-7b shape. Writes
 bench/results/serving-<device>[-decode|-steps|-summary].csv, bench/results/serving-<device>.md
-and docs/serving-<device>.png (`--quick`: a ~1 minute smoke run, files tagged -quick).
+and docs/serving-<device>.png (`--quick`: a ~1-2 minute smoke run with one overload point,
+files tagged -quick).
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ import math  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from dataclasses import fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from harness import MODEL_HELP, SHAPES, build_store, synchronize, workload_model  # noqa: E402
 from serving_decode import decode_throughput, step_time_vs_context  # noqa: E402
-from serving_load import MODES, serving  # noqa: E402
+from serving_load import serving  # noqa: E402
 from serving_report import (  # noqa: E402
     DOCS,
     RESULTS,
@@ -51,6 +56,9 @@ from serving_report import (  # noqa: E402
     rebuild_from_csv,
     write_csv,
 )
+from serving_workload import MODES  # noqa: E402
+
+from engine.options import EngineOptions  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +93,13 @@ def parse_args() -> argparse.Namespace:
         choices=["serving", "decode", "steps"],
     )
     parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument(
+        "--prompt-chunks",
+        type=int,
+        nargs="+",
+        help="a prompt-length mix: each request draws its chunk count from these (seeded), "
+        "e.g. 1 2 4 8 12 (default: every request --chunks chunks)",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--pool-chunks", type=int, default=24)
     parser.add_argument("--question-tokens", type=int, default=32)
@@ -93,11 +108,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="the engine's token budget per step (default: the engine's; engines without the "
+        "option reject the flag)",
+    )
+    parser.add_argument(
         "--rate-fractions", type=float, nargs="+", help="rates as fractions of 1 / unloaded TTFT"
+    )
+    parser.add_argument(
+        "--overload-factors",
+        type=float,
+        nargs="*",
+        help="after the rate points, points at these factors x the sustained rate "
+        "(default 1.2 1.5 2.0; none: no overload points)",
     )
     parser.add_argument("--requests", type=int, help="requests per point at most")
     parser.add_argument("--time-limit-s", type=float, help="arrivals per point stop after this")
-    parser.add_argument("--drain-s", type=float, help="then wait this long for the answers")
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        help="then wait at most this long for every admitted answer (default: 10 s + 2 x the "
+        "outstanding requests x the unloaded request time)",
+    )
     parser.add_argument("--unloaded-requests", type=int)
     parser.add_argument("--decode-batches", type=int, nargs="+")
     parser.add_argument("--decode-repeats", type=int)
@@ -107,13 +140,16 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.device == "cuda" and not cuda and not args.from_csv:
         parser.error("--device cuda but torch sees no GPU")
+    budgeted = "max_num_batched_tokens" in {f.name for f in fields(EngineOptions)}
+    if args.max_num_batched_tokens is not None and not budgeted:
+        parser.error("this engine has no max_num_batched_tokens (no token-budget scheduler)")
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(
         rate_fractions=[0.3, 0.55, 0.8, 1.05],
+        overload_factors=[1.2, 1.5, 2.0],
         requests=100 if on_cuda else 16,
         time_limit_s=30.0 if on_cuda else 50.0,
-        drain_s=15.0 if on_cuda else 20.0,
         unloaded_requests=5 if on_cuda else 3,
         decode_batches=[1, 4, 16, 64],
         decode_repeats=10 if on_cuda else 5,
@@ -121,12 +157,13 @@ def parse_args() -> argparse.Namespace:
         long_context=8191,
     )
     if args.quick:
-        args.chunk_tokens, args.pool_chunks = 64, 8
+        args.chunk_tokens = 64
+        args.pool_chunks = max(8, *(args.prompt_chunks or [0]))
         defaults.update(
             rate_fractions=[0.5],
+            overload_factors=[1.5],
             requests=4,
             time_limit_s=4.0,
-            drain_s=4.0,
             unloaded_requests=1,
             decode_batches=[1, 4],
             decode_repeats=1,
@@ -137,9 +174,13 @@ def parse_args() -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    most = max(args.prompt_chunks or [args.chunks])
+    if min(args.prompt_chunks or [args.chunks]) < 1 or most > args.pool_chunks:
+        parser.error(f"chunk counts must be 1..--pool-chunks ({args.pool_chunks})")
     prompt = args.chunks * args.chunk_tokens + args.question_tokens
     args.decode_context = prompt + 64  # about a request's context: prompt, template, output
-    args.serving_model_len = 1 << math.ceil(math.log2(prompt + args.output_tokens + 128))
+    longest = most * args.chunk_tokens + args.question_tokens
+    args.serving_model_len = 1 << math.ceil(math.log2(longest + args.output_tokens + 128))
     args.decode_model_len = args.serving_model_len
     return args
 
@@ -184,8 +225,17 @@ def main() -> None:
         "",
         *[f"- {n}" for n in notes],
         f"- per point: at most {args.requests} requests and {args.time_limit_s:.0f} s of "
-        f"arrivals, then {args.drain_s:.0f} s to drain; unanswered requests are cancelled and "
-        f"count in TTFT with the time they had waited (a lower bound).",
+        f"arrivals, then until every admitted request has answered, at most "
+        + (
+            f"{args.drain_s:.0f} s"
+            if args.drain_s is not None
+            else "10 s + 2 x the outstanding requests x the unloaded request time"
+        )
+        + "; unanswered requests are cancelled and count in TTFT with the time they had "
+        "waited (a lower bound). TPOT per request: (last token - first token) / (tokens - 1).",
+        "- overload points at "
+        + (" ".join(f"{f:g}x" for f in args.overload_factors) or "no factors")
+        + " the sustained rate of each (mode, scheduler).",
         f"- batching: max_num_seqs {args.max_num_seqs}; one-at-a-time: max_num_seqs 1; "
         f"max_waiting {args.max_waiting}; cacheblend r = {args.ratio}.",
     ]
@@ -206,8 +256,8 @@ def main() -> None:
             summary,
             DOCS / f"serving-{tag}.png",
             f"{label or args.shape} {args.dtype} on {device_name}: "
-            f"{args.chunks}x{args.chunk_tokens}-token chunks + {args.question_tokens}-token "
-            f"question, {args.output_tokens} out",
+            f"{'/'.join(map(str, args.prompt_chunks or [args.chunks]))}x{args.chunk_tokens}-"
+            f"token chunks + {args.question_tokens}-token question, {args.output_tokens} out",
         )
 
 

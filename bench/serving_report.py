@@ -1,12 +1,15 @@
-"""The output of bench/serving.py: CSV rows, the markdown tables, the TTFT plot, and the same
-rebuilt from the CSVs of an earlier run (`--from-csv`)."""
+"""The output of bench/serving.py: CSV rows, the markdown tables, the TTFT and TPOT plot, and the
+same rebuilt from the CSVs of an earlier run (`--from-csv`)."""
 
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
-from serving_load import Point, sustained_rate
+from serving_load import sustained_rate
+from serving_overload import OVERLOAD_NOTE, TPOT_BOUND, blank, target_row, target_table
+from serving_point import Point
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -39,27 +42,31 @@ def markdown(
     out = [*header, ""]
     if summary:
         out += [
-            "### Serving: TTFT under Poisson load",
+            "### Serving: TTFT and TPOT under Poisson load",
             "",
-            "| mode | scheduler | rate (req/s) | x 1/unloaded TTFT | sent | completed | refused "
-            "| unfinished | TTFT p50 (s) | TTFT p99 (s) | queue p50 (s) | tokens/s "
-            "| mean decode batch | p50 <= 2x unloaded |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+            "| mode | scheduler | rate (req/s) | x 1/unloaded TTFT | x sustained | sent "
+            "| completed | refused | unfinished | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (s) "
+            "| TPOT p99 (s) | queue p50 (s) | tokens/s | mean decode batch | drain (s) "
+            "| p50 <= 2x unloaded |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+            "|:---:|",
         ]
         for p in points:
             out.append(
-                f"| {p.mode} | {p.scheduler} | {p.rate:.3f} | {p.rate_fraction:.2f} | {p.sent} "
-                f"| {p.completed} | {p.refused} | {p.unfinished} | {p.ttft_p50_s:.3f} "
-                f"| {p.ttft_p99_s:.3f} | {p.queue_p50_s:.3f} | {p.tokens_per_s:.1f} "
-                f"| {p.mean_decode_batch:.1f} | {'yes' if p.sustained else 'no'} |"
+                f"| {p.mode} | {p.scheduler} | {p.rate:.3f} | {p.rate_fraction:.2f} "
+                f"| {blank(p.overload_factor, '.2f')} | {p.sent} | {p.completed} | {p.refused} "
+                f"| {p.unfinished} | {p.ttft_p50_s:.3f} | {p.ttft_p99_s:.3f} "
+                f"| {blank(p.tpot_p50_s, '.4f')} | {blank(p.tpot_p99_s, '.4f')} "
+                f"| {p.queue_p50_s:.3f} | {p.tokens_per_s:.1f} | {p.mean_decode_batch:.1f} "
+                f"| {blank(p.drain_s, '.1f')} | {'yes' if p.sustained else 'no'} |"
             )
         out += [
             "",
             "### Highest sustained rate (TTFT p50 <= 2x unloaded TTFT)",
             "",
-            "| mode | scheduler | unloaded TTFT (s) | unloaded request (s) | sustained rate "
-            "(req/s) | cacheblend / full_prefill |",
-            "|---|---|---:|---:|---:|---:|",
+            "| mode | scheduler | unloaded TTFT (s) | unloaded TPOT (s) | unloaded request (s) "
+            "| sustained rate (req/s) | cacheblend / full_prefill |",
+            "|---|---|---:|---:|---:|---:|---:|",
         ]
         by = {(s["mode"], s["scheduler"]): s for s in summary}
         for s in summary:
@@ -70,13 +77,18 @@ def markdown(
             how = "" if s["sustained_how"] == "~" else s["sustained_how"] + " "
             out.append(
                 f"| {s['mode']} | {s['scheduler']} | {s['unloaded_ttft_s']:.3f} "
+                f"| {blank(s.get('unloaded_tpot_s', math.nan), '.4f')} "
                 f"| {s['unloaded_request_s']:.3f} | {how}{s['sustained_rate']:.3f} | {ratio} |"
             )
         out += [
             "",
-            "Sustained rate: interpolated linearly between the last point that meets the bound "
-            "and the first that does not ('>=': every point met it; '<': none did).",
+            "Sustained rate: interpolated linearly between the last rate-fraction point that "
+            "meets the bound and the first that does not ('>=': every point met it; '<': none "
+            "did).",
         ]
+        if any(not math.isnan(p.overload_factor) for p in points):
+            out += ["", OVERLOAD_NOTE]
+        out += target_table([r for s in summary if (r := target_row(points, s)) is not None])
     if decode:
         out += [
             "",
@@ -127,20 +139,27 @@ def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    axes[1].sharey(axes[0])
     colors = {
         ("full_prefill", "batching"): "tab:red",
         ("full_prefill", "one-at-a-time"): "tab:orange",
         ("cacheblend", "batching"): "tab:blue",
         ("cacheblend", "one-at-a-time"): "tab:cyan",
     }
-    for ax, key, name in ((axes[0], "ttft_p50_s", "p50"), (axes[1], "ttft_p99_s", "p99")):
+    panels = (
+        (axes[0], "ttft_p50_s", "TTFT p50"),
+        (axes[1], "ttft_p99_s", "TTFT p99"),
+        (axes[2], "tpot_p99_s", "TPOT p99"),
+    )
+    for ax, key, name in panels:
         for (mode, scheduler), color in colors.items():
             series = sorted(
                 (p for p in points if p.mode == mode and p.scheduler == scheduler),
                 key=lambda p: p.rate,
             )
-            if not series:
+            # Rows from an older CSV have no TPOT: nothing to draw (log axes refuse it).
+            if all(math.isnan(getattr(p, key)) for p in series):
                 continue
             ax.plot(
                 [p.rate for p in series],
@@ -153,15 +172,25 @@ def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> No
         for s in summary:
             if s["scheduler"] == "batching":
                 color = colors[(s["mode"], "batching")]
-                ax.axhline(2 * s["unloaded_ttft_s"], color=color, linestyle=":", linewidth=1)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+                bound = (
+                    TPOT_BOUND * s.get("unloaded_tpot_s", math.nan)
+                    if key.startswith("tpot")
+                    else 2 * s["unloaded_ttft_s"]
+                )
+                if not math.isnan(bound):
+                    ax.axhline(bound, color=color, linestyle=":", linewidth=1)
+        if ax.lines:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
         ax.set_xlabel("request rate (req/s, Poisson)")
-        ax.set_title(f"TTFT {name}")
+        ax.set_title(name)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("TTFT (s, queueing included)")
+    axes[2].set_ylabel("TPOT (s per output token after the first)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title + "  (dotted: 2x unloaded TTFT)", fontsize=10)
+    fig.suptitle(
+        title + f"  (dotted: 2x unloaded TTFT, {TPOT_BOUND:g}x unloaded TPOT)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -184,29 +213,37 @@ def _number(value: str):
     return {"True": True, "False": False}.get(value, value)
 
 
+def _values(row: dict, drop: tuple[str, ...]) -> dict:
+    """A CSV row's numbers; empty cells (rows merged from an older CSV) are left out, so they
+    take the field's default."""
+    return {k: _number(v) for k, v in row.items() if k not in drop and v != ""}
+
+
 def rebuild_from_csv(tag: str) -> None:
     """Tables and plot from bench/results/serving-<tag>*.csv; the header of the existing .md
     (everything before the first table) is kept."""
     drop = ("device", "shape", "dtype")
     raw = _read_csv(RESULTS / f"serving-{tag}.csv")
     extra = {k: v for k, v in raw[0].items() if k in drop} if raw else {}
-    rows = [{k: _number(v) for k, v in r.items() if k not in drop} for r in raw]
-    points = [Point(**r) for r in rows]
-    summary = [
-        {k: _number(v) for k, v in r.items() if k not in drop}
-        for r in _read_csv(RESULTS / f"serving-{tag}-summary.csv")
-    ]
+    points = [Point(**_values(r, drop)) for r in raw]
+    summary = [_values(r, drop) for r in _read_csv(RESULTS / f"serving-{tag}-summary.csv")]
     for s in summary:
         mine = [p for p in points if p.mode == s["mode"] and p.scheduler == s["scheduler"]]
         for p in mine:
             p.sustained = p.ttft_p50_s <= 2 * s["unloaded_ttft_s"] and p.refused == 0
-        s["sustained_rate"], s["sustained_how"] = sustained_rate(mine, s["unloaded_ttft_s"])
-    points.sort(key=lambda p: (p.scheduler != "batching", p.mode != "full_prefill", p.rate))
+        # The overload rows sit past the sustained rate by construction: they do not move it.
+        rated = [p for p in mine if math.isnan(p.overload_factor)]
+        s["sustained_rate"], s["sustained_how"] = sustained_rate(rated, s["unloaded_ttft_s"])
+    points.sort(
+        key=lambda p: (
+            p.scheduler != "batching",
+            p.mode != "full_prefill",
+            not math.isnan(p.overload_factor),
+            p.rate,
+        )
+    )
     decode, steps = (
-        [
-            {k: _number(v) for k, v in r.items() if k not in drop}
-            for r in _read_csv(RESULTS / f"serving-{tag}-{part}.csv")
-        ]
+        [_values(r, drop) for r in _read_csv(RESULTS / f"serving-{tag}-{part}.csv")]
         for part in ("decode", "steps")
     )
     md = RESULTS / f"serving-{tag}.md"
