@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+
 import torch
 
 from kvstore import tiers
@@ -34,7 +35,7 @@ class MemoryTier:
         *,
         name: str = tiers.MEMORY,
         device: torch.device | str = "cpu",
-        policy: PolicyName = "tinylfu",
+        policy: PolicyName = "lru",
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
