@@ -1,15 +1,15 @@
 """The in-memory tiers: whole chunk entries in host RAM (pinned when the engine is on CUDA) or
-in device memory (the gpu tier), LRU by bytes under a fixed budget."""
+in device memory (the gpu tier), under a byte budget kept by an LRU or W-TinyLFU policy."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 
 import torch
 
 from kvstore import tiers
+from kvstore.admission import PolicyName, make_policy
 from kvstore.tiers import MemorySource
 from kvstore.types import ChunkKV, TierStats
 
@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryTier:
-    """LRU of ChunkKV by bytes on one device. Thread-safe; a hit in `get` or `open` makes the
-    entry most recently used.
+    """ChunkKV by bytes on one device. Thread-safe. `policy` (kvstore/admission.py) picks what
+    is kept: "lru", or "tinylfu", whose frequency-aware admission may turn a new entry away
+    (`put` then returns its key) so that one-off chunks do not flush the warm ones.
 
     The host tier (`name=tiers.MEMORY`, device "cpu") keeps entries in pinned memory when
     `pin_memory`; the gpu tier (`name=tiers.GPU`, a CUDA device) keeps them where the blend
@@ -34,6 +35,7 @@ class MemoryTier:
         *,
         name: str = tiers.MEMORY,
         device: torch.device | str = "cpu",
+        policy: PolicyName = "lru",
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
@@ -43,8 +45,8 @@ class MemoryTier:
         self.device = torch.device(device)
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory and self.device.type == "cpu"
-        self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
-        self._bytes = 0
+        self._entries: dict[str, ChunkKV] = {}
+        self._policy = make_policy(policy, budget_bytes)
         self._stats = TierStats(budget_bytes=budget_bytes)
         self._lock = threading.Lock()
 
@@ -53,17 +55,18 @@ class MemoryTier:
             return key in self._entries
 
     def keys_lru_first(self) -> list[str]:
+        """The keys, the first to be evicted first (under lru: least recently used first)."""
         with self._lock:
-            return list(self._entries)
+            return self._policy.order()
 
     def get(self, key: str) -> ChunkKV | None:
         """The entry, now most recently used, or None on a miss (counted)."""
         with self._lock:
             kv = self._entries.get(key)
+            self._policy.access(key, hit=kv is not None)
             if kv is None:
                 self._stats.misses += 1
                 return None
-            self._entries.move_to_end(key)
             self._stats.hits += 1
             return kv
 
@@ -73,32 +76,25 @@ class MemoryTier:
         return None if kv is None else MemorySource(key, kv, self.name)
 
     def put(self, key: str, kv: ChunkKV) -> list[str]:
-        """Store `kv` (moved to this tier's device, pinned if configured) as most recently
-        used; returns the keys evicted for room, LRU first. An entry larger than the whole
-        budget is not stored."""
+        """Store `kv` (moved to this tier's device, pinned if configured); returns the keys
+        evicted for room in eviction order, `key` among them when the policy did not admit
+        it. An entry larger than the whole budget is not stored."""
         if kv.nbytes > self.budget_bytes:
             logger.debug("entry %s (%d bytes) is over the %s budget", key, kv.nbytes, self.name)
             return []
         kv = self._to_device(kv)
-        evicted: list[str] = []
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            while self._bytes + kv.nbytes > self.budget_bytes:
-                victim, victim_kv = self._entries.popitem(last=False)
-                self._bytes -= victim_kv.nbytes
-                self._stats.evictions += 1
-                evicted.append(victim)
             self._entries[key] = kv
-            self._bytes += kv.nbytes
+            evicted = self._policy.insert(key, kv.nbytes)
+            for victim in evicted:
+                del self._entries[victim]
+            self._stats.evictions += len(evicted)
         return evicted
 
     def discard(self, key: str) -> bool:
         with self._lock:
             kv = self._entries.pop(key, None)
-            if kv is not None:
-                self._bytes -= kv.nbytes
+            self._policy.remove(key)
             return kv is not None
 
     def report_error(self, key: str, error: BaseException) -> None:
@@ -106,7 +102,7 @@ class MemoryTier:
 
     def stats(self) -> TierStats:
         with self._lock:
-            self._stats.entries, self._stats.bytes = len(self._entries), self._bytes
+            self._stats.entries, self._stats.bytes = len(self._entries), self._policy.nbytes
             return TierStats(**vars(self._stats))
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The memory tier: LRU by bytes with an exact eviction order."""
+"""The memory tier under policy="lru": LRU by bytes with an exact eviction order."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ENTRY = make_kv().nbytes  # every entry below has the same size
 
 
 def _tier_with(keys: list[str], budget_entries: int) -> MemoryTier:
-    tier = MemoryTier(budget_bytes=budget_entries * ENTRY)
+    tier = MemoryTier(budget_bytes=budget_entries * ENTRY, policy="lru")
     for i, key in enumerate(keys):
         assert tier.put(key, make_kv(seed=i)) == []
     return tier
