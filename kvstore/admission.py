@@ -22,6 +22,9 @@ class FrequencySketch:
     budgets give no entry count up front."""
 
     def __init__(self, capacity: int = 16) -> None:
+        self._reset(capacity)
+
+    def _reset(self, capacity: int) -> None:
         self.capacity = 1 << max(4, (capacity - 1).bit_length())
         # 4 counters per row per expected entry (Caffeine's 16 per entry over 4 rows).
         self._width = 4 * self.capacity
@@ -31,7 +34,7 @@ class FrequencySketch:
 
     def ensure_capacity(self, entries: int) -> None:
         if entries > self.capacity:
-            self.__init__(2 * entries)  # type: ignore[misc]
+            self._reset(2 * entries)
 
     def _slots(self, key: str) -> list[int]:
         # A stable hash (str.__hash__ is salted per process): runs and benchmarks repeat.
