@@ -187,7 +187,8 @@ class TinyLFUPolicy:
 
     def _victims(self, need: int) -> list[str]:
         """The main segment's first victims whose bytes cover `need`; [] if they cannot."""
-        victims, freed = [], 0
+        victims: list[str] = []
+        freed = 0
         for segment in (self._probation, self._protected):
             for victim, size in segment.items():
                 if freed >= need:
