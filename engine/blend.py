@@ -124,12 +124,7 @@ def prefill_steps(
         num_computed = h.shape[0]
         if i in ratios:
             # The check compares every candidate: the layer projects all its rows at once.
-            q, k, v = ops.project_qkv(i, h)
-            if pre_rope is not None:
-                computed.write(pre_rope[i], k)
-            q = ops.rotate(q, computed.cos, computed.sin)
-            computed.write(k_layer, ops.rotate(k, computed.cos, computed.sin))
-            computed.write(v_layer, v)
+            q, k, v = _project(ops, i, h, (k_layer, v_layer), pre_rope, computed)
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
             layer = (q, k, v, k_layer)
             scores = check_scores(
@@ -144,9 +139,9 @@ def prefill_steps(
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
                 computed = _Computed(ops, positions, cos, sin, streamed_spans)
-            h = yield from _attend_pieces(ops, i, h, q, (k_layer, v_layer), computed, budget)
+            h = yield from _pieces(ops, i, h, (k_layer, v_layer), computed, budget, q)
         else:
-            h = yield from _layer_pieces(ops, i, h, (k_layer, v_layer), pre_rope, computed, budget)
+            h = yield from _pieces(ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope)
         layer_computes.append(LayerCompute(i, compute_start, time.perf_counter(), num_computed))
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
@@ -161,53 +156,47 @@ def prefill_steps(
     )
 
 
-def _layer_pieces(
+def _project(
     ops: LayerOps,
     i: int,
     h: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor],
     pre_rope: torch.Tensor | None,
-    computed: _Computed,
-    budget: StepBudget,
-) -> Pausable[torch.Tensor]:
-    """Layer i over the computed rows, piece by piece in position order: each piece projects
-    its rows, writes their KV, then attends over every key up to its last position."""
+    rows: _Computed,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (rotated), k and v (pre-RoPE) of `rows` at layer i, their KV written to the cache."""
     k_layer, v_layer = cache
-    outputs, start = [], 0
-    while start < h.shape[0]:
-        yield from wait(budget)
-        end = start + budget.piece(h.shape[0] - start)
-        part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
-        q, k, v = ops.project_qkv(i, h[start:end])
-        if pre_rope is not None:
-            part.write(pre_rope[i], k)
-        q = ops.rotate(q, part.cos, part.sin)
-        part.write(k_layer, ops.rotate(k, part.cos, part.sin))
-        part.write(v_layer, v)
-        attn_out = ops.attend(i, q, k_layer, v_layer, part.attention)
-        outputs.append(ops.finish_layer(i, h[start:end], attn_out))
-        budget.spend(end - start)
-        start = end
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    q, k, v = ops.project_qkv(i, h)
+    if pre_rope is not None:
+        rows.write(pre_rope[i], k)
+    rows.write(k_layer, ops.rotate(k, rows.cos, rows.sin))
+    rows.write(v_layer, v)
+    return ops.rotate(q, rows.cos, rows.sin), k, v
 
 
-def _attend_pieces(
+def _pieces(
     ops: LayerOps,
     i: int,
     h: torch.Tensor,
-    q: torch.Tensor,
     cache: tuple[torch.Tensor, torch.Tensor],
     computed: _Computed,
     budget: StepBudget,
+    q: torch.Tensor | None = None,
+    pre_rope: torch.Tensor | None = None,
 ) -> Pausable[torch.Tensor]:
-    """The attention and MLP of layer i, piece by piece, once every row's KV is written."""
-    k_layer, v_layer = cache
+    """Layer i over the computed rows, piece by piece in position order, each attending over
+    every key up to its last position. Without `q` (a check layer projected every row already)
+    a piece first projects its rows and writes their KV."""
     outputs, start = [], 0
     while start < h.shape[0]:
         yield from wait(budget)
         end = start + budget.piece(h.shape[0] - start)
         part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
-        attn_out = ops.attend(i, q[:, start:end], k_layer, v_layer, part.attention)
+        if q is None:
+            q_part = _project(ops, i, h[start:end], cache, pre_rope, part)[0]
+        else:
+            q_part = q[:, start:end]
+        attn_out = ops.attend(i, q_part, *cache, part.attention)
         outputs.append(ops.finish_layer(i, h[start:end], attn_out))
         budget.spend(end - start)
         start = end
