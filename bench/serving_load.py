@@ -117,12 +117,12 @@ def serving(
             try:
                 if workload is None:
                     workload = build_workload(engine, args, args.requests + 32)
-                    budget = getattr(engine.options, "max_num_batched_tokens", None)
+                    budget = getattr(engine.scheduler, "max_num_batched_tokens", None)
                     notes += [
                         f"{workload.describe(args)}, {args.output_tokens} output tokens; KV "
                         f"slots {engine.runner.num_slots} x {engine.max_model_len}",
                         "max_num_batched_tokens: "
-                        + (f"{budget}" if budget is not None else "none (engine without it)")
+                        + (f"{budget}" if budget is not None else "none (prefills run whole)")
                         + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),
                     ]
                 if mode not in unloaded:

@@ -90,8 +90,8 @@ class Config:
     decode_batches: list[int] = field(default_factory=list)
 
     def record_step(self, record: StepRecord) -> None:
-        if not record.is_prefill:
-            self.decode_batches.append(record.num_seqs)
+        if record.num_decodes:
+            self.decode_batches.append(record.num_decodes)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -26,6 +26,11 @@ class LayerCompute:
     compute_start_s: float
     compute_end_s: float
     num_tokens: int  # tokens computed in this layer
+    paused_s: float = 0.0  # of start..end, the time paused between pieces (other work ran)
+
+    @property
+    def busy_s(self) -> float:
+        return self.compute_end_s - self.compute_start_s - self.paused_s
 
 
 @dataclass
@@ -139,10 +144,13 @@ def prefill_steps(
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
                 computed = _Computed(ops, positions, cos, sin, streamed_spans)
-            h = yield from _pieces(ops, i, h, (k_layer, v_layer), computed, budget, q)
+            h, paused = yield from _pieces(ops, i, h, (k_layer, v_layer), computed, budget, q)
         else:
-            h = yield from _pieces(ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope)
-        layer_computes.append(LayerCompute(i, compute_start, time.perf_counter(), num_computed))
+            h, paused = yield from _pieces(
+                ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope
+            )
+        end = time.perf_counter()
+        layer_computes.append(LayerCompute(i, compute_start, end, num_computed, paused))
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
     return PrefillOutput(
@@ -183,13 +191,15 @@ def _pieces(
     budget: StepBudget,
     q: torch.Tensor | None = None,
     pre_rope: torch.Tensor | None = None,
-) -> Pausable[torch.Tensor]:
+) -> Pausable[tuple[torch.Tensor, float]]:
     """Layer i over the computed rows, piece by piece in position order, each attending over
-    every key up to its last position. Without `q` (a check layer projected every row already)
-    a piece first projects its rows and writes their KV."""
-    outputs, start = [], 0
+    every key up to its last position; its output and the seconds paused between pieces.
+    Without `q` (a check layer projected every row already) a piece first projects its rows
+    and writes their KV."""
+    outputs, start, paused = [], 0, 0.0
     while start < h.shape[0]:
-        yield from wait(budget)
+        if start:
+            paused += yield from wait(budget)
         end = start + budget.piece(h.shape[0] - start)
         part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
         if q is None:
@@ -200,7 +210,7 @@ def _pieces(
         outputs.append(ops.finish_layer(i, h[start:end], attn_out))
         budget.spend(end - start)
         start = end
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), paused
 
 
 # Beyond this many contiguous runs, the computed positions' KV is written by one indexed copy.

@@ -4,6 +4,7 @@ generator that computes pieces while the budget lasts and yields when it is spen
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -41,10 +42,14 @@ class StepBudget:
         self.left -= token_layers
 
 
-def wait(budget: StepBudget) -> Pausable[None]:
-    """Yield until the step's driver hands the budget more work."""
+def wait(budget: StepBudget) -> Pausable[float]:
+    """Yield until the step's driver hands the budget more work; the seconds paused."""
+    if not budget.spent:
+        return 0.0
+    start = time.perf_counter()
     while budget.spent:
         yield
+    return time.perf_counter() - start
 
 
 def run_to_end(pausable: Pausable[T]) -> T:

@@ -18,7 +18,7 @@ from engine.executor import Executor
 from engine.job import Event, Job, new_job
 from engine.layers import LayerOps
 from engine.model import LoadedModel, load_model
-from engine.options import EngineOptions
+from engine.options import EngineOptions, batched_tokens_default
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
@@ -52,7 +52,10 @@ class Engine:
         )
         self.max_model_len = self.runner.slot_tokens
         slots = SlotTable(self.runner.num_slots, self.max_model_len)
-        self.scheduler: Scheduler[Job] = Scheduler(slots, opts.max_waiting, opts.max_prefill_tokens)
+        step_tokens = opts.max_num_batched_tokens or batched_tokens_default(loaded.device.type)
+        self.scheduler: Scheduler[Job] = Scheduler(
+            slots, opts.max_waiting, opts.max_prefill_tokens, step_tokens
+        )
         self._lock = threading.Lock()  # guards the scheduler between callers and the worker
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self.shadow = Shadow(self.ops, opts.shadow)
@@ -176,12 +179,14 @@ class Engine:
         self.shadow.preempt()  # client work first: shadows run on idle time only
         with self._lock:
             for seq in self.scheduler.drop_cancelled():
+                self.executor.abandon(seq)
                 seq.emit(GenerationCancelled())
-            seqs, is_prefill = self.scheduler.schedule()
+            step = self.scheduler.schedule()
+        seqs = step.sequences
         if not seqs:
             return
-        record = self.executor.run(seqs, is_prefill)
-        self.estimate.observe(is_prefill, record.num_tokens, record.seconds)
+        record = self.executor.run(step)
+        self.estimate.observe(record)
         with self._lock:
             finished = self.scheduler.finish_done(seqs)
             busy = self.scheduler.has_work

@@ -3,7 +3,10 @@ and the measured speed of recent steps. Plain Python on counts, testable without
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
+
+from engine.types import StepRecord
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
@@ -13,36 +16,45 @@ SMOOTHING = 0.2
 
 
 class QueueEstimate:
-    """Running averages of prefill throughput (tokens/s) and decode step time, fed every step.
+    """Running averages of prefill throughput (prompt tokens/s) and decode time, fed every step.
 
-    The wait of a new request is the prefill of every prompt token waiting ahead of it at
-    the measured throughput, plus the decode steps that run in between: the scheduler puts
-    one decode step after every prefill step while sequences run, and when every KV slot is
-    taken the request also waits until enough running sequences end, at worst after their
-    remaining max_tokens (EOS or a stop string ends them sooner: an upper bound). Before a
-    step of a kind was measured it counts as free.
+    The wait of a new request is the prefill of every prompt token ahead of it (waiting, or in
+    flight: counted whole, an upper bound) at the measured throughput, plus the decodes that
+    share the steps: while sequences decode, a step gives prefills at most `step_tokens`, so
+    the prompts ahead take ceil(tokens / step_tokens) steps, each with one decode (unbounded:
+    one decode per prompt ahead, and one after the newest). When every KV slot is taken the
+    request also waits until enough running sequences end, at worst after their remaining
+    max_tokens (EOS or a stop string ends them sooner: an upper bound). Before a step of a kind
+    was measured it counts as free.
     """
 
     def __init__(self) -> None:
         self.prefill_tokens_per_s: float | None = None
         self.decode_step_s: float | None = None
+        self._prefill_s = 0.0  # prefill seconds since a prefill last completed
 
     def wait_for(self, scheduler: Scheduler) -> float:
         """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
+        ahead = [*scheduler.prefilling, *scheduler.waiting]
+        budget = scheduler.max_num_batched_tokens
         return self.wait_s(
-            waiting_tokens=sum(seq.num_prompt_tokens for seq in scheduler.waiting),
+            waiting_tokens=sum(seq.num_prompt_tokens for seq in ahead),
             waiting_seqs=len(scheduler.waiting),
-            running_remaining=[s.max_tokens - s.num_output_tokens for s in scheduler.running],
+            in_flight=len(scheduler.prefilling),
+            running_remaining=[s.max_tokens - s.num_output_tokens for s in scheduler.decoding],
             free_slots=scheduler.slots.num_free,
+            step_tokens=math.inf if budget is None else budget,
         )
 
-    def observe(self, is_prefill: bool, num_tokens: int, seconds: float) -> None:
-        if seconds <= 0.0:
-            return
-        if is_prefill:
-            self.prefill_tokens_per_s = _average(self.prefill_tokens_per_s, num_tokens / seconds)
-        else:
-            self.decode_step_s = _average(self.decode_step_s, seconds)
+    def observe(self, step: StepRecord) -> None:
+        if step.num_decodes and step.decode_s > 0.0:
+            self.decode_step_s = _average(self.decode_step_s, step.decode_s)
+        # A prefill in pieces spends several steps: its throughput counts once it completes.
+        self._prefill_s += step.prefill_s
+        if step.prefill_tokens and self._prefill_s > 0.0:
+            rate = step.prefill_tokens / self._prefill_s
+            self.prefill_tokens_per_s = _average(self.prefill_tokens_per_s, rate)
+            self._prefill_s = 0.0
 
     def wait_s(
         self,
@@ -51,13 +63,20 @@ class QueueEstimate:
         waiting_seqs: int,
         running_remaining: list[int],
         free_slots: int,
+        step_tokens: float = math.inf,
+        in_flight: int = 0,
     ) -> float:
-        """`running_remaining`: tokens each running sequence may still decode."""
-        if not waiting_seqs and not running_remaining:
+        """`waiting_tokens`: the prompt tokens of the `waiting_seqs` and of the `in_flight`
+        prefills (which hold slots); `running_remaining`: tokens each decoding sequence may
+        still decode."""
+        prompts_ahead = waiting_seqs + in_flight
+        if not prompts_ahead and not running_remaining:
             return 0.0
         prefill_s = waiting_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0.0
-        # One decode step may follow each prefill ahead, and the one after the newest prefill.
-        interleaved_steps = waiting_seqs + 1 if running_remaining else waiting_seqs
+        interleaved_steps = prompts_ahead
+        if running_remaining:
+            pieces = prompts_ahead if math.isinf(step_tokens) else waiting_tokens / step_tokens
+            interleaved_steps = math.ceil(pieces) + 1
         # Slots the request needs freed: one for each waiting sequence ahead, one for itself.
         slots_short = waiting_seqs + 1 - free_slots
         slot_wait_steps = 0

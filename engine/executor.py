@@ -1,19 +1,20 @@
-"""Runs the sequences of one scheduled step on the model: their prefills into KV-pool slots, or
-one batched decode, each followed by postprocessing. Runs on the worker thread."""
+"""Runs one scheduled step on the model: a batched decode of the running sequences, then the
+prefills into KV-pool slots, paused where the step's budget ends. Runs on the worker thread."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+from engine.budget import StepBudget, advance
 from engine.chunks import ChunkPrecompute
 from engine.job import Job
 from engine.postprocess import Postprocessor
-from engine.prefill import Prefiller
+from engine.prefill import Prefill, Prefiller
 from engine.runner import ModelRunner
+from engine.scheduler import Step
 from engine.shadow import Shadow
 from engine.types import StepRecord
-from kvstore.loader import KVLayerStream
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,23 @@ class Executor:
         self.shadow = shadow
         self.chunks = chunks
         self.post = post
+        # The budget every prefill in flight reads; each step refills it.
+        self.budget = StepBudget()
 
-    def run(self, seqs: list[Job], is_prefill: bool) -> StepRecord:
-        """The step's prefills or its decode, timed."""
+    def run(self, step: Step[Job]) -> StepRecord:
+        """The step's decode, then its prefills within the tokens it leaves them, each timed."""
         start = time.perf_counter()
-        num_tokens = self.prefill(seqs) if is_prefill else self.decode(seqs)
-        return StepRecord(is_prefill, len(seqs), num_tokens, time.perf_counter() - start)
+        if step.decodes:
+            self.decode(step.decodes)
+        decode_end = time.perf_counter()
+        prefill_tokens = self.prefill(step.prefills, step.prefill_tokens)
+        return StepRecord(
+            len(step.decodes),
+            decode_end - start,
+            len(step.prefills),
+            prefill_tokens,
+            time.perf_counter() - decode_end,
+        )
 
     def submit_shadows(self, finished: list[Job], busy: bool) -> None:
         """Queue the shadow check of each finished sequence sampled for one (not failed)."""
@@ -45,44 +57,62 @@ class Executor:
             if seq.shadow is not None and seq.finish_reason != "error":
                 self.shadow.submit(seq.shadow, busy)
 
-    def prefill(self, seqs: list[Job]) -> int:
-        """Prefill the step's sequences one after the other; the prompt tokens fed. Their KV
-        streams are all opened first, in order, so the store's one loader reads the next
-        prompt's first layers while the current one computes."""
-        ahead: list[KVLayerStream | None] = []
-        try:
-            for seq in seqs:
-                request = seq.request
-                ahead.append(
-                    self.prefiller.open_ahead(
-                        seq.layout,
-                        request.mode,
-                        request.recompute_ratio,
-                        request.max_recompute_ratio,
-                    )
-                    if len(seqs) > 1
-                    else None
+    def prefill(self, seqs: list[Job], tokens: float) -> int:
+        """Advance the prefills in order while the step's `tokens` last (each token through
+        every layer); the prompt tokens of those that completed. The KV streams of the new
+        ones are opened first, in order, so the store's one loader reads the next prompt's
+        first layers while the current one computes."""
+        new = [seq for seq in seqs if seq.prefill_steps is None]
+        for seq in new:
+            seq.scheduled_s = time.perf_counter()
+            request = seq.request
+            if len(seqs) > 1:
+                seq.opened = self.prefiller.open_ahead(
+                    seq.layout, request.mode, request.recompute_ratio, request.max_recompute_ratio
                 )
-            for seq, stream in zip(seqs, ahead, strict=True):
-                self._prefill(seq, stream)
-        finally:
-            for stream in ahead:  # the prefill closed those it took; closing is idempotent
-                if stream is not None:
-                    stream.close()
-        return sum(seq.num_prompt_tokens for seq in seqs)
-
-    def _prefill(self, seq: Job, opened: KVLayerStream | None) -> None:
-        seq.scheduled_s = time.perf_counter()
-        request, num_tokens = seq.request, seq.num_prompt_tokens
-        assert seq.slot is not None
-        try:
-            prefill = self.prefiller.prefill_request(
-                seq.layout, request, out=self.runner.slot_kv(seq.slot, num_tokens), opened=opened
+            assert seq.slot is not None
+            out = self.runner.slot_kv(seq.slot, seq.num_prompt_tokens)
+            seq.prefill_steps = self.prefiller.request_steps(
+                seq.layout, request, self.budget, out=out, opened=seq.opened
             )
+        self.budget.left = tokens * self.prefiller.ops.shape.num_layers
+        completed = 0
+        for seq in seqs:
+            if self.budget.spent:
+                break
+            if self._advance(seq):
+                completed += seq.num_prompt_tokens
+        return completed
+
+    def abandon(self, seq: Job) -> None:
+        """Stop `seq`'s prefill where it paused (cancelled): its KV streams are closed."""
+        if seq.prefill_steps is not None:
+            seq.prefill_steps.close()
+        if seq.opened is not None:  # an unstarted prefill has not taken its stream over
+            seq.opened.close()
+        seq.prefill_steps = seq.opened = None
+
+    def _advance(self, seq: Job) -> bool:
+        """Run `seq`'s prefill until the budget is spent; True when it completed."""
+        assert seq.prefill_steps is not None
+        try:
+            done, prefill = advance(seq.prefill_steps)
         except Exception as exc:
             log.exception("prefill failed")
+            self.abandon(seq)
             self.post.fail(seq, exc)
-            return
+            return False
+        if not done:
+            return False
+        assert prefill is not None
+        seq.prefill_steps = seq.opened = None
+        self._accept(seq, prefill)
+        return True
+
+    def _accept(self, seq: Job, prefill: Prefill) -> None:
+        """A completed prefill: its KV is in the slot; the first token comes from its logits."""
+        request, num_tokens = seq.request, seq.num_prompt_tokens
+        assert seq.slot is not None and seq.scheduled_s is not None
         prefill.prefill_s = time.perf_counter() - seq.scheduled_s
         seq.prefill, seq.num_cached = prefill, num_tokens
         self.chunks.write_back(prefill.missing_chunks)

@@ -15,8 +15,10 @@ from engine.sequence import Sequence
 from engine.types import GenerateRequest, GenerateResult, Penalties, TokenDelta
 
 if TYPE_CHECKING:
+    from engine.budget import Pausable
     from engine.prefill import Prefill
     from engine.shadow import ShadowSample
+    from kvstore.loader import KVLayerStream
 
 Event = TokenDelta | GenerateResult | BaseException
 
@@ -31,6 +33,9 @@ class Job(Sequence):
     arrival_s: float
     penalties: Penalties  # the request's, the engine's defaults filled in
     prefill: Prefill | None = None
+    # The prefill while it runs in pieces, and the KV stream opened for it before it started.
+    prefill_steps: Pausable[Prefill] | None = None
+    opened: KVLayerStream | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None
     shadow: ShadowSample | None = None  # sampled for a shadow check: what the blend gave

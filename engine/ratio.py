@@ -151,7 +151,7 @@ class RatioPolicy:
         widest = max((c.num_tokens for c in output.layer_computes), default=0)
         for c in output.layer_computes:
             if c.num_tokens == widest:
-                self.controller.observe_compute(c.num_tokens, c.compute_end_s - c.compute_start_s)
+                self.controller.observe_compute(c.num_tokens, c.busy_s)
 
     def _observe_stream(
         self, chunks: tuple[tuple[int, ...], ...], stream: KVLayerStream, probe: bool

@@ -1,14 +1,17 @@
 """Waiting and running sequences, and the choice of what one engine step does.
 
-A step either admits waiting sequences into free KV slots and prefills them (bounded by a
-token budget), or decodes one token for every running sequence as one batch. After a prefill
-step a decode step follows whenever sequences run, so a stream of arrivals never starves the
-decodes in flight. Plain Python: the tensors live in the runner.
+Every step decodes one token for each sequence whose prompt is cached, and gives the prefills
+in flight what is left of the step's token budget; a prefill that needs more pauses and goes
+on in the next step, so a stream of arrivals never starves the decodes. Waiting sequences are
+admitted into free KV slots once no prefill is in flight. Plain Python: tensors live in the
+runner.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from engine.errors import QueueFullError
@@ -17,24 +20,60 @@ from engine.slots import SlotTable
 
 S = TypeVar("S", bound=Sequence)
 
+# The fewest prefill tokens a step with decodes gives the prefills in flight, however many
+# sequences decode: the prefills always progress.
+MIN_PREFILL_TOKENS = 16
+
+
+@dataclass
+class Step(Generic[S]):
+    """What one engine step runs: a token for each of `decodes`, then `prefills` in order
+    (those in flight first) within `prefill_tokens` (math.inf: each runs whole)."""
+
+    decodes: list[S] = field(default_factory=list)
+    prefills: list[S] = field(default_factory=list)
+    prefill_tokens: float = math.inf
+
+    @property
+    def sequences(self) -> list[S]:
+        return [*self.decodes, *self.prefills]
+
 
 class Scheduler(Generic[S]):
-    def __init__(self, slots: SlotTable, max_waiting: int, max_prefill_tokens: int):
+    """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first (None: no
+    bound; a step with decodes then runs its prefills whole). `max_prefill_tokens` bounds the
+    prompt tokens admitted in one step (one sequence is always admitted)."""
+
+    def __init__(
+        self,
+        slots: SlotTable,
+        max_waiting: int,
+        max_prefill_tokens: int,
+        max_num_batched_tokens: int | None = None,
+    ):
         if max_waiting < 0 or max_prefill_tokens < 1:
             raise ValueError(
                 f"need max_waiting >= 0 and max_prefill_tokens >= 1, got "
                 f"{max_waiting} and {max_prefill_tokens}"
             )
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"need max_num_batched_tokens >= 1, got {max_num_batched_tokens}")
         self.slots = slots
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[S] = deque()
-        self.running: list[S] = []
-        self._last_was_prefill = False
+        self.prefilling: list[S] = []  # admitted, prompt not yet cached, in admission order
+        self.decoding: list[S] = []
+
+    @property
+    def running(self) -> list[S]:
+        """Every sequence that holds a KV slot."""
+        return [*self.prefilling, *self.decoding]
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.decoding)
 
     def add(self, seq: S) -> None:
         """Queue `seq`; raises QueueFullError when the queue and the KV pool are both full.
@@ -48,32 +87,42 @@ class Scheduler(Generic[S]):
             )
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[S], bool]:
-        """The sequences of the next step and whether it is a prefill step."""
-        if self.waiting and self.slots.num_free and not (self.running and self._last_was_prefill):
-            batch: list[S] = []
-            budget = self.max_prefill_tokens
-            while self.waiting and self.slots.num_free:
-                seq = self.waiting[0]
-                if batch and seq.num_prompt_tokens > budget:
-                    break
-                self.waiting.popleft()
-                seq.slot = self.slots.allocate()
-                seq.status = SequenceStatus.RUNNING
-                budget -= seq.num_prompt_tokens
-                batch.append(seq)
-            self.running.extend(batch)
-            self._last_was_prefill = True
-            return batch, True
-        self._last_was_prefill = False
-        return list(self.running), False
+    def schedule(self) -> Step[S]:
+        """The next step: every sequence whose prompt is cached decodes; the prefills in flight
+        (or, with none, newly admitted ones) share the tokens the decodes leave."""
+        done = [seq for seq in self.prefilling if seq.num_cached >= seq.num_prompt_tokens]
+        for seq in done:
+            self.prefilling.remove(seq)
+        self.decoding.extend(done)
+        if not self.prefilling:
+            self.prefilling = self._admit()
+        step = Step(list(self.decoding), list(self.prefilling))
+        if self.decoding and self.max_num_batched_tokens is not None:
+            left = self.max_num_batched_tokens - len(self.decoding)
+            step.prefill_tokens = max(left, MIN_PREFILL_TOKENS)
+        return step
+
+    def _admit(self) -> list[S]:
+        """Waiting sequences into free slots, in order, within max_prefill_tokens."""
+        batch: list[S] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and self.slots.num_free:
+            seq = self.waiting[0]
+            if batch and seq.num_prompt_tokens > budget:
+                break
+            self.waiting.popleft()
+            seq.slot = self.slots.allocate()
+            seq.status = SequenceStatus.RUNNING
+            budget -= seq.num_prompt_tokens
+            batch.append(seq)
+        return batch
 
     def finish(self, seq: S) -> None:
         """Take `seq` out of the queues and free its slot at once (done, failed or cancelled)."""
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            (self.prefilling if seq in self.prefilling else self.decoding).remove(seq)
             assert seq.slot is not None
             self.slots.release(seq.slot)
         seq.status = SequenceStatus.FINISHED

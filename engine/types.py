@@ -175,12 +175,18 @@ class Timings:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step, for metrics: prefill or decode, sequences, tokens fed, seconds."""
+    """One engine step, for metrics: its decode batch and its prefill work, each timed.
+    `prefill_tokens`: the prompt tokens of the prefills that completed in the step."""
 
-    is_prefill: bool
-    num_seqs: int
-    num_tokens: int
-    seconds: float
+    num_decodes: int
+    decode_s: float
+    num_prefills: int  # prefills that computed in the step, whole or a piece
+    prefill_tokens: int
+    prefill_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.decode_s + self.prefill_s
 
 
 @dataclass

@@ -129,18 +129,23 @@ class EngineMetrics:
         )
         self.batch_size = histogram(
             "batch_size",
-            "Sequences per engine step, by step kind (prefill or decode)",
+            "Sequences per engine step, by kind of work: decode (the decode batch) or prefill "
+            "(the prefills that computed, whole or a piece)",
             BATCH_BUCKETS,
             "step",
         )
         self.step_tokens = histogram(
             "step_tokens",
-            "Tokens fed to the model per engine step, by step kind",
+            "Tokens per engine step, by kind of work: decode (tokens fed) or prefill (prompt "
+            "tokens of the prefills that completed)",
             STEP_TOKEN_BUCKETS,
             "step",
         )
         self.step_seconds = histogram(
-            "step_seconds", "Duration of one engine step, by step kind", TTFT_BUCKETS, "step"
+            "step_seconds",
+            "Seconds of one engine step's decode or prefill work, by kind",
+            TTFT_BUCKETS,
+            "step",
         )
         self.remote_seconds = histogram(
             "remote_seconds",
@@ -212,10 +217,14 @@ class EngineMetrics:
         self.shadow_answer_argmax.labels(mode).observe(report.answer_argmax_agreement)
 
     def observe_step(self, step: StepRecord) -> None:
-        kind = "prefill" if step.is_prefill else "decode"
-        self.batch_size.labels(kind).observe(step.num_seqs)
-        self.step_tokens.labels(kind).observe(step.num_tokens)
-        self.step_seconds.labels(kind).observe(step.seconds)
+        if step.num_decodes:
+            self.batch_size.labels("decode").observe(step.num_decodes)
+            self.step_tokens.labels("decode").observe(step.num_decodes)
+            self.step_seconds.labels("decode").observe(step.decode_s)
+        if step.num_prefills:
+            self.batch_size.labels("prefill").observe(step.num_prefills)
+            self.step_tokens.labels("prefill").observe(step.prefill_tokens)
+            self.step_seconds.labels("prefill").observe(step.prefill_s)
 
     def observe(self, mode: Mode, result: GenerateResult) -> None:
         self.requests.labels(mode.value, result.finish_reason).inc()

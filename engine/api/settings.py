@@ -99,7 +99,14 @@ class EngineSettings(BaseSettings):
         8192,
         ge=1,
         le=1_048_576,
-        description="prompt tokens admitted per prefill step (decodes run between)",
+        description="prompt tokens admitted in one step (the first request always)",
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="tokens one engine step feeds the model, decodes first; prefills fill the "
+        "rest and go on in the next step (default: 256 on the CPU, 2048 on a GPU)",
     )
     recompute_ratio: RecomputeRatio | None = Field(
         None,

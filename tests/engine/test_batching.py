@@ -1,5 +1,6 @@
 """Batched decode from the KV pool: every sequence of a batch decodes what it decodes alone,
-with mixed prompt lengths and modes, and sequences joining and leaving between steps."""
+with mixed prompt lengths and modes, sequences joining and leaving between steps, and prefills
+paused by the step's token budget while others decode."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
-from engine.types import GenerateRequest, Mode
+from engine.engine import Engine
+from engine.scheduler import MIN_PREFILL_TOKENS
+from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord
 
 # float32 on the CPU: a batched matmul may round differently from a batch of one.
 ATOL = 1e-4
@@ -154,3 +157,50 @@ def test_the_streams_of_one_prefill_step_are_opened_together_so_the_next_is_pref
     # The second prompt's first layers were loaded before its own prefill began.
     second = [t.load_start_s for t in results[1].layers if t.load_start_s is not None]
     assert second and min(second) < 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefills_split_by_a_small_step_budget_decode_what_they_decode_alone(
+    checkpoint_dir, make_chunks, family
+):
+    engine = Engine.from_pretrained(
+        checkpoint_dir(family), check_layers=(1,), max_num_batched_tokens=MIN_PREFILL_TOKENS
+    )
+    steps: list[StepRecord] = []
+    engine.add_step_listener(steps.append)
+    try:
+        long_chunks = make_chunks(5, words=40, seed=25)
+        engine.precompute(long_chunks)
+        first = request(long_chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=48, ignore_eos=True)
+        later = [
+            request(long_chunks, recompute_ratio=0.3),
+            request(long_chunks[1:], mode=Mode.FULL_PREFILL),
+            request(long_chunks[2:], mode=Mode.PREFIX_CACHE),
+        ]
+        alone = [engine.generate(r).token_ids for r in [first, *later]]
+        steps.clear()
+
+        async def together() -> list[tuple[int, ...]]:
+            async def run(req: GenerateRequest, started: asyncio.Event | None = None):
+                ids = []
+                async for event in engine.start(req):
+                    if started is not None:
+                        started.set()  # the first sequence decodes: the others arrive now
+                    if isinstance(event, GenerateResult):
+                        ids = event.token_ids
+                return ids
+
+            started = asyncio.Event()
+            head = asyncio.create_task(run(first, started))
+            await started.wait()
+            rest = await asyncio.gather(*(run(r) for r in later))
+            return [await head, *rest]
+
+        assert asyncio.run(together()) == alone
+    finally:
+        engine.close()
+    # Prefills paused beside decodes: steps that decoded and computed a piece of a prefill
+    # that did not complete in them, none feeding more than the budget's decodes.
+    paused = [s for s in steps if s.num_decodes and s.num_prefills and not s.prefill_tokens]
+    assert len(paused) >= 3
+    assert max(s.num_decodes for s in steps) <= MIN_PREFILL_TOKENS

@@ -5,12 +5,21 @@ from __future__ import annotations
 import pytest
 
 from engine.estimate import QueueEstimate
+from engine.types import StepRecord
+
+
+def decode_step(seconds: float, batch: int = 4) -> StepRecord:
+    return StepRecord(batch, seconds, 0, 0, 0.0)
+
+
+def prefill_step(completed_tokens: int, seconds: float) -> StepRecord:
+    return StepRecord(0, 0.0, 1, completed_tokens, seconds)
 
 
 def measured(prefill_tokens_per_s: float = 1000.0, decode_step_s: float = 0.01) -> QueueEstimate:
     estimate = QueueEstimate()
-    estimate.observe(True, int(prefill_tokens_per_s), 1.0)
-    estimate.observe(False, 4, decode_step_s)
+    estimate.observe(prefill_step(int(prefill_tokens_per_s), 1.0))
+    estimate.observe(decode_step(decode_step_s))
     return estimate
 
 
@@ -29,6 +38,28 @@ def test_prompts_waiting_ahead_cost_their_prefill_and_the_decode_steps_between()
     assert wait == pytest.approx(2.0 + 3 * 0.01)
 
 
+def test_under_a_step_token_budget_the_prompts_ahead_share_one_step_per_piece_with_decodes():
+    wait = measured().wait_s(
+        waiting_tokens=2000,
+        waiting_seqs=1,
+        in_flight=1,
+        running_remaining=[50],
+        free_slots=3,
+        step_tokens=500,
+    )
+    # 2 s of prefill in 4 pieces of 500 tokens, each step with a decode, and one after them.
+    assert wait == pytest.approx(2.0 + 5 * 0.01)
+
+
+def test_a_prefill_in_pieces_counts_towards_throughput_once_it_completes():
+    estimate = QueueEstimate()
+    estimate.observe(StepRecord(2, 0.01, 1, 0, 0.5))
+    assert estimate.prefill_tokens_per_s is None
+    estimate.observe(StepRecord(2, 0.01, 1, 900, 0.25))
+    assert estimate.prefill_tokens_per_s == pytest.approx(900 / 0.75)
+    assert estimate.decode_step_s == pytest.approx(0.01)
+
+
 def test_with_every_slot_taken_the_request_waits_for_a_running_sequence_to_end():
     wait = measured().wait_s(
         waiting_tokens=0, waiting_seqs=0, running_remaining=[300, 120], free_slots=0
@@ -42,7 +73,7 @@ def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
         estimate.wait_s(waiting_tokens=500, waiting_seqs=1, running_remaining=[10], free_slots=1)
         == 0.0
     )
-    estimate.observe(False, 1, 0.01)
+    estimate.observe(decode_step(0.01, batch=1))
     for _ in range(50):
-        estimate.observe(False, 1, 0.05)
+        estimate.observe(decode_step(0.05, batch=1))
     assert estimate.decode_step_s == pytest.approx(0.05, rel=1e-3)
