@@ -40,7 +40,6 @@ import math  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import fields  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -57,8 +56,6 @@ from serving_report import (  # noqa: E402
     write_csv,
 )
 from serving_workload import MODES  # noqa: E402
-
-from engine.options import EngineOptions  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -110,8 +107,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        help="the engine's token budget per step (default: the engine's; engines without the "
-        "option reject the flag)",
+        help="the engine's token budget per step (default: the engine's, by device)",
     )
     parser.add_argument(
         "--rate-fractions", type=float, nargs="+", help="rates as fractions of 1 / unloaded TTFT"
@@ -140,9 +136,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.device == "cuda" and not cuda and not args.from_csv:
         parser.error("--device cuda but torch sees no GPU")
-    budgeted = "max_num_batched_tokens" in {f.name for f in fields(EngineOptions)}
-    if args.max_num_batched_tokens is not None and not budgeted:
-        parser.error("this engine has no max_num_batched_tokens (no token-budget scheduler)")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        parser.error("--max-num-batched-tokens must be at least 1")
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(

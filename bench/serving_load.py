@@ -95,10 +95,8 @@ def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict:
         max_num_seqs=max_num_seqs,
         max_model_len=args.serving_model_len,
         max_waiting=args.max_waiting,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    # Passed only when given: engines before the token-budget scheduler have no such option.
-    if args.max_num_batched_tokens is not None:
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
     return options
 
 
@@ -117,12 +115,11 @@ def serving(
             try:
                 if workload is None:
                     workload = build_workload(engine, args, args.requests + 32)
-                    budget = getattr(engine.scheduler, "max_num_batched_tokens", None)
+                    budget = engine.scheduler.max_num_batched_tokens
                     notes += [
                         f"{workload.describe(args)}, {args.output_tokens} output tokens; KV "
                         f"slots {engine.runner.num_slots} x {engine.max_model_len}",
-                        "max_num_batched_tokens: "
-                        + (f"{budget}" if budget is not None else "none (prefills run whole)")
+                        f"max_num_batched_tokens: {budget}"
                         + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),
                     ]
                 if mode not in unloaded:

@@ -12,7 +12,7 @@ from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.runner import ModelRunner
-from engine.scheduler import Step
+from engine.scheduler import Step, prefill_tokens
 from engine.shadow import Shadow
 from engine.types import StepRecord
 
@@ -42,12 +42,12 @@ class Executor:
         if step.decodes:
             self.decode(step.decodes)
         decode_end = time.perf_counter()
-        prefill_tokens = self.prefill(step.prefills, step.prefill_tokens)
+        completed_tokens = self.prefill(step)
         return StepRecord(
             len(step.decodes),
             decode_end - start,
             len(step.prefills),
-            prefill_tokens,
+            completed_tokens,
             time.perf_counter() - decode_end,
         )
 
@@ -57,11 +57,12 @@ class Executor:
             if seq.shadow is not None and seq.finish_reason != "error":
                 self.shadow.submit(seq.shadow, busy)
 
-    def prefill(self, seqs: list[Job], tokens: float) -> int:
-        """Advance the prefills in order while the step's `tokens` last (each token through
-        every layer); the prompt tokens of those that completed. The KV streams of the new
-        ones are opened first, in order, so the store's one loader reads the next prompt's
+    def prefill(self, step: Step[Job]) -> int:
+        """Advance the step's prefills in order while its prefill tokens last (each token
+        through every layer); the prompt tokens of those that completed. The KV streams of the
+        new ones are opened first, in order, so the store's one loader reads the next prompt's
         first layers while the current one computes."""
+        seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
         new = [seq for seq in seqs if seq.prefill_steps is None]
         for seq in new:
             seq.scheduled_s = time.perf_counter()
@@ -75,13 +76,18 @@ class Executor:
             seq.prefill_steps = self.prefiller.request_steps(
                 seq.layout, request, self.budget, out=out, opened=seq.opened
             )
-        self.budget.left = tokens * self.prefiller.ops.shape.num_layers
-        completed = 0
+        self.budget.left = step.prefill_tokens * num_layers
+        completed, first_tokens = 0, 0
         for seq in seqs:
             if self.budget.spent:
                 break
             if self._advance(seq):
                 completed += seq.num_prompt_tokens
+                first_tokens += 1
+                # It now waits for its next token: what is left of an unbounded step (nothing
+                # decoded in it) is bounded as if it decoded.
+                bounded = prefill_tokens(step.max_num_batched_tokens, first_tokens) * num_layers
+                self.budget.left = min(self.budget.left, bounded)
         return completed
 
     def abandon(self, seq: Job) -> None:

@@ -55,10 +55,11 @@ class EngineOptions:
 
 
 def batched_tokens_default(device_type: str) -> int:
-    """256 tokens on the CPU, where a token through the model costs ~0.7 ms (a 124M-parameter
-    model): a step stays within ~3x a decode alone (bench/serving.py). 2048 on a GPU, whose
-    step costs about the same from 1 to thousands of tokens (vLLM's chunked-prefill default)."""
-    return 256 if device_type == "cpu" else 2048
+    """128 tokens on the CPU, where a prompt token costs about what 1/30 of a decode step does
+    (both scale with the weights: ~0.9 ms and ~30 ms for a 124M-parameter model), so a step
+    that also prefills takes ~2.5x the unloaded time per output token (bench/serving.py).
+    2048 on a GPU, whose step costs about the same from 1 to thousands of tokens."""
+    return 128 if device_type == "cpu" else 2048
 
 
 def default_selection(check_layers: tuple[int, ...]) -> Selection:

@@ -25,18 +25,30 @@ S = TypeVar("S", bound=Sequence)
 MIN_PREFILL_TOKENS = 16
 
 
+def prefill_tokens(max_num_batched_tokens: int | None, num_decoding: int) -> float:
+    """What a step leaves its prefills when `num_decoding` sequences wait for a token: the
+    budget less one token each, at least MIN_PREFILL_TOKENS; math.inf when none waits."""
+    if max_num_batched_tokens is None or not num_decoding:
+        return math.inf
+    return max(max_num_batched_tokens - num_decoding, MIN_PREFILL_TOKENS)
+
+
 @dataclass
 class Step(Generic[S]):
     """What one engine step runs: a token for each of `decodes`, then `prefills` in order
-    (those in flight first) within `prefill_tokens` (math.inf: each runs whole)."""
+    (those in flight first) within `prefill_tokens(max_num_batched_tokens, ...)`."""
 
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)
-    prefill_tokens: float = math.inf
+    max_num_batched_tokens: int | None = None
 
     @property
     def sequences(self) -> list[S]:
         return [*self.decodes, *self.prefills]
+
+    @property
+    def prefill_tokens(self) -> float:
+        return prefill_tokens(self.max_num_batched_tokens, len(self.decodes))
 
 
 class Scheduler(Generic[S]):
@@ -96,11 +108,7 @@ class Scheduler(Generic[S]):
         self.decoding.extend(done)
         if not self.prefilling:
             self.prefilling = self._admit()
-        step = Step(list(self.decoding), list(self.prefilling))
-        if self.decoding and self.max_num_batched_tokens is not None:
-            left = self.max_num_batched_tokens - len(self.decoding)
-            step.prefill_tokens = max(left, MIN_PREFILL_TOKENS)
-        return step
+        return Step(list(self.decoding), list(self.prefilling), self.max_num_batched_tokens)
 
     def _admit(self) -> list[S]:
         """Waiting sequences into free slots, in order, within max_prefill_tokens."""

@@ -106,7 +106,7 @@ class EngineSettings(BaseSettings):
         ge=1,
         le=1_048_576,
         description="tokens one engine step feeds the model, decodes first; prefills fill the "
-        "rest and go on in the next step (default: 256 on the CPU, 2048 on a GPU)",
+        "rest and go on in the next step (default: 128 on the CPU, 2048 on a GPU)",
     )
     recompute_ratio: RecomputeRatio | None = Field(
         None,

@@ -50,6 +50,38 @@ def assert_same_step(batched: torch.Tensor, alone: torch.Tensor) -> None:
     assert int(batched.argmax()) == int(alone.argmax())
 
 
+def generate_in_one_step(engine: Engine, requests: list[GenerateRequest]) -> list:
+    """Generate `requests` on threads, queued in this order while the worker is held by a
+    background task, so that one step admits them all; their results."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(timeout=60)
+
+    # Only an idle worker runs background work: once `hold` runs, nothing is left to step.
+    engine.worker.submit(hold)
+    assert held.wait(timeout=60)
+    results: list = [None] * len(requests)
+
+    def run(index: int) -> None:
+        results[index] = engine.generate(requests[index])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    try:
+        for queued, thread in enumerate(threads, start=1):
+            thread.start()
+            deadline = time.monotonic() + 60
+            while engine.num_waiting < queued:  # one at a time: the step prefills in order
+                assert time.monotonic() < deadline, "a request was not queued"
+                time.sleep(0.001)
+    finally:
+        release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_sequence_of_a_batch_decodes_what_it_decodes_alone(engine_for, make_chunks, family):
     engine = engine_for(family)
@@ -138,21 +170,7 @@ def test_the_streams_of_one_prefill_step_are_opened_together_so_the_next_is_pref
         request(chunks, recompute_ratio=0.5),
     ]
     alone = [engine.generate(r).token_ids for r in requests]
-    release = threading.Event()
-    engine.worker.submit(release.wait)  # holds the worker so both requests join one step
-    results: list = [None, None]
-
-    def run(index: int) -> None:
-        results[index] = engine.generate(requests[index])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for queued, thread in enumerate(threads, start=1):
-        thread.start()
-        while engine.num_waiting < queued:  # one at a time: the step prefills in this order
-            time.sleep(0.001)
-    release.set()
-    for thread in threads:
-        thread.join(timeout=60)
+    results = generate_in_one_step(engine, requests)
     assert [r.token_ids for r in results] == alone
     # The second prompt's first layers were loaded before its own prefill began.
     second = [t.load_start_s for t in results[1].layers if t.load_start_s is not None]
@@ -204,3 +222,31 @@ def test_prefills_split_by_a_small_step_budget_decode_what_they_decode_alone(
     paused = [s for s in steps if s.num_decodes and s.num_prefills and not s.prefill_tokens]
     assert len(paused) >= 3
     assert max(s.num_decodes for s in steps) <= MIN_PREFILL_TOKENS
+
+
+def test_once_a_prefill_of_an_idle_step_completes_the_next_prefill_keeps_to_the_budget(
+    checkpoint_dir, make_chunks
+):
+    engine = Engine.from_pretrained(
+        checkpoint_dir("llama"), check_layers=(1,), max_num_batched_tokens=MIN_PREFILL_TOKENS
+    )
+    steps: list[StepRecord] = []
+    try:
+        long_chunks = make_chunks(4, words=40, seed=26)
+        requests = [
+            request(long_chunks[:2], mode=Mode.FULL_PREFILL),
+            request(long_chunks[2:], mode=Mode.FULL_PREFILL),
+        ]
+        alone = [engine.generate(r).token_ids for r in requests]
+        engine.add_step_listener(steps.append)
+        results = generate_in_one_step(engine, requests)
+    finally:
+        engine.close()
+    assert [r.token_ids for r in results] == alone
+    # Nothing decoded in the first step, so the first prefill ran whole; then its sequence
+    # waited for a token, and the second prefill paused at the budget instead of running whole.
+    at = next(i for i, s in enumerate(steps) if s.num_prefills)
+    first, after = steps[at], steps[at + 1]
+    assert first.num_decodes == 0 and first.num_prefills == 2
+    assert first.prefill_tokens == engine.layout(requests[0]).num_tokens
+    assert after.num_decodes == 1 and after.num_prefills == 1
