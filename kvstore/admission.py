@@ -12,11 +12,14 @@ POLICIES: tuple[PolicyName, ...] = ("lru", "tinylfu")
 
 COUNTER_MAX = 15  # 4-bit saturating counters, as in TinyLFU
 DEPTH = 4
+# Missed keys remembered for their write-back put at least (requests in flight between the two).
+MISSED_KEYS_MIN = 1024
 
 
 class FrequencySketch:
     """Count-min sketch of access counts: DEPTH rows of 4-bit-style saturating counters. After
-    10 x capacity increments every counter is halved (aging), so old popularity fades.
+    10 x capacity increments of keys seen before every counter is halved (aging), so old
+    popularity fades; a first sighting (every counter of the key 0) does not bring aging closer.
 
     It grows (and starts over) when the tier holds more entries than it was sized for: byte
     budgets give no entry count up front."""
@@ -26,8 +29,9 @@ class FrequencySketch:
 
     def _reset(self, capacity: int) -> None:
         self.capacity = 1 << max(4, (capacity - 1).bit_length())
-        # 4 counters per row per expected entry (Caffeine's 16 per entry over 4 rows).
-        self._width = 4 * self.capacity
+        # 8 counters per row per expected entry: under churn most keys of a sample are one-offs,
+        # and wide rows keep their collisions off the warm keys' counts (and a new key at 0).
+        self._width = 8 * self.capacity
         self._table = bytearray(DEPTH * self._width)
         self._sample_size = 10 * self.capacity
         self._additions = 0
@@ -54,7 +58,11 @@ class FrequencySketch:
             for slot in slots:
                 if self._table[slot] == low:
                     self._table[slot] = low + 1
-        self._additions += 1
+        # Only keys seen before age the sketch: a stream of one-off keys would otherwise halve
+        # the warm keys' counts before they recur. It cannot stall aging for long: as one-offs
+        # fill the table, a new key's counters collide with theirs and are no longer all 0.
+        if low > 0:
+            self._additions += 1
         if self._additions >= self._sample_size:
             self._table = bytearray(count >> 1 for count in self._table)
             self._additions //= 2
@@ -114,8 +122,10 @@ class TinyLFUPolicy:
     beats every one of theirs (a tie keeps the victim); otherwise the candidate is dropped.
     Beating all of them, not the first, keeps a large one-off from displacing several warm
     entries. A hit in probation moves the entry to protected (`protected_share` of the main
-    segment; its LRU entry is demoted back to probation). Every access and put counts in the
-    sketch; a put of a key already held starts it over in the window, its count kept."""
+    segment; its LRU entry is demoted back to probation). Each use of a key counts once in the
+    sketch: an access, or a put, but not the put that follows the key's own missed lookup
+    (the write-back of the request that missed it). A put of a key already held starts it over
+    in the window, its count kept."""
 
     def __init__(
         self, budget_bytes: int, window_share: float = 0.01, protected_share: float = 0.8
@@ -129,10 +139,17 @@ class TinyLFUPolicy:
         self._probation: OrderedDict[str, int] = OrderedDict()
         self._protected: OrderedDict[str, int] = OrderedDict()
         self._used = {id(s): 0 for s in (self._window, self._probation, self._protected)}
+        # Keys counted by a missed lookup and not put since, the oldest first, at most
+        # max(MISSED_KEYS_MIN, sketch capacity): past that, a late put counts once more.
+        self._missed: OrderedDict[str, None] = OrderedDict()
 
     def access(self, key: str, hit: bool) -> None:
         self.sketch.increment(key)
         if not hit:
+            self._missed[key] = None
+            self._missed.move_to_end(key)
+            while len(self._missed) > max(MISSED_KEYS_MIN, self.sketch.capacity):
+                self._missed.popitem(last=False)
             return
         if key in self._probation:
             self._move(key, self._probation, self._protected)
@@ -147,7 +164,8 @@ class TinyLFUPolicy:
         """Store `key` (nbytes <= budget) in the window; the keys evicted or not admitted (the
         new key among them when it lost), in that order."""
         self.remove(key)
-        self.sketch.increment(key)
+        if self._missed.pop(key, 0) is not None:  # None: its missed lookup counted it
+            self.sketch.increment(key)
         self._add(key, nbytes, self._window)
         self.sketch.ensure_capacity(len(self))
         dropped: list[str] = []

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 
 class MemoryTier:
     """ChunkKV by bytes on one device. Thread-safe. `policy` (kvstore/admission.py) picks what
-    is kept: "lru", or "tinylfu", whose frequency-aware admission may turn a new entry away
-    (`put` then returns its key) so that one-off chunks do not flush the warm ones.
+    is kept: "tinylfu", whose frequency-aware admission may turn a new entry away (`put` then
+    returns its key) so that one-off chunks do not flush the warm ones, or plain "lru"
+    (bench/results/cache_churn.md measures both).
 
     The host tier (`name=tiers.MEMORY`, device "cpu") keeps entries in pinned memory when
     `pin_memory`; the gpu tier (`name=tiers.GPU`, a CUDA device) keeps them where the blend
@@ -35,7 +36,7 @@ class MemoryTier:
         *,
         name: str = tiers.MEMORY,
         device: torch.device | str = "cpu",
-        policy: PolicyName = "lru",
+        policy: PolicyName = "tinylfu",
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
@@ -44,6 +45,7 @@ class MemoryTier:
         self.name = name
         self.device = torch.device(device)
         self.budget_bytes = budget_bytes
+        self.policy = policy
         self.pin_memory = pin_memory and self.device.type == "cpu"
         self._entries: dict[str, ChunkKV] = {}
         self._policy = make_policy(policy, budget_bytes)

@@ -18,6 +18,7 @@ import torch
 
 from kvstore import format as kvformat
 from kvstore import tiers
+from kvstore.admission import POLICIES, PolicyName
 from kvstore.entry_reader import EntryReader
 from kvstore.errors import KVEntryError
 from kvstore.loader import KVLayerStream, Loader
@@ -42,7 +43,8 @@ class KVStoreConfig:
     hit `gpu_promote_hits` times in host memory are copied there, and the exact prefix cache
     lives there. On the CPU the host tier plays that role, so the engine leaves it at 0.
     `remote_url` (redis:// or rediss://) adds the remote tier after SSD, shared by every
-    engine; `remote_timeout_s` bounds each Redis connect and read.
+    engine; `remote_timeout_s` bounds each Redis connect and read. `memory_policy` is the
+    eviction policy of host memory and the gpu tier (kvstore/admission.py).
     """
 
     model_fingerprint: str
@@ -60,6 +62,9 @@ class KVStoreConfig:
     persistent_encoding: str = "none"
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_timeout_s: float = 0.5
+    # W-TinyLFU keeps warm chunks through a stream of one-off ones; lru for an exact recency
+    # order (bench/results/cache_churn.md measures both).
+    memory_policy: PolicyName = "tinylfu"
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -67,6 +72,8 @@ class KVStoreConfig:
         budgets = (self.memory_budget_bytes, self.ssd_budget_bytes, self.gpu_budget_bytes)
         if min(*budgets, self.lookahead) < 0 or self.gpu_promote_hits < 1:
             raise ValueError(f"budgets and lookahead must be >= 0, gpu_promote_hits >= 1: {self}")
+        if self.memory_policy not in POLICIES:
+            raise ValueError(f"memory_policy must be one of {POLICIES}, got {self.memory_policy!r}")
 
 
 @dataclass
@@ -115,9 +122,16 @@ class KVStore:
 
     def __init__(self, config: KVStoreConfig) -> None:
         self.config = config
-        self._memory = MemoryTier(config.memory_budget_bytes, config.pin_memory)
+        self._memory = MemoryTier(
+            config.memory_budget_bytes, config.pin_memory, policy=config.memory_policy
+        )
         self._gpu = (
-            MemoryTier(config.gpu_budget_bytes, name=tiers.GPU, device=config.device)
+            MemoryTier(
+                config.gpu_budget_bytes,
+                name=tiers.GPU,
+                device=config.device,
+                policy=config.memory_policy,
+            )
             if config.gpu_budget_bytes > 0
             else None
         )

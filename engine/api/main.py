@@ -40,23 +40,27 @@ def gpu_tier_bytes(settings: EngineSettings) -> int:
     return int(free * settings.gpu_tier_share)
 
 
+def kv_store_config(settings: EngineSettings, fingerprint: str, device: str) -> KVStoreConfig:
+    """The KV store's configuration from the settings, for the model loaded on `device`."""
+    return KVStoreConfig(
+        model_fingerprint=fingerprint,
+        memory_budget_bytes=int(settings.memory_budget_gb * GIB),
+        ssd_path=settings.store_path,
+        ssd_budget_bytes=int(settings.ssd_budget_gb * GIB),
+        pin_memory=settings.device == "cuda",
+        lookahead=settings.lookahead,
+        gpu_budget_bytes=gpu_tier_bytes(settings),
+        device=device,
+        persistent_encoding=settings.kv_encoding,
+        remote_url=settings.remote_url,
+        remote_timeout_s=settings.remote_timeout_s,
+        memory_policy=settings.kv_cache_policy,
+    )
+
+
 def build_engine(settings: EngineSettings) -> Engine:
     loaded = load_model(settings.model, device=settings.device, dtype=settings.torch_dtype_name)
-    store = KVStore(
-        KVStoreConfig(
-            model_fingerprint=loaded.fingerprint,
-            memory_budget_bytes=int(settings.memory_budget_gb * GIB),
-            ssd_path=settings.store_path,
-            ssd_budget_bytes=int(settings.ssd_budget_gb * GIB),
-            pin_memory=settings.device == "cuda",
-            lookahead=settings.lookahead,
-            gpu_budget_bytes=gpu_tier_bytes(settings),
-            device=str(loaded.device),
-            persistent_encoding=settings.kv_encoding,
-            remote_url=settings.remote_url,
-            remote_timeout_s=settings.remote_timeout_s,
-        )
-    )
+    store = KVStore(kv_store_config(settings, loaded.fingerprint, str(loaded.device)))
     remote = store.tier(tiers.REMOTE)
     if isinstance(remote, RemoteTier):
         # A Redis down now does not stop the engine: the tier says unreachable and retries.

@@ -18,6 +18,7 @@ from common.contract import (
     Selection,
 )
 from engine.types import DEFAULT_RECOMPUTE_RATIO, Penalties
+from kvstore.admission import PolicyName
 from kvstore.codec import Encoding
 from kvstore.remote_tier import check_url
 
@@ -49,6 +50,11 @@ class EngineSettings(BaseSettings):
     port: int = Field(8002, ge=1, le=65535)
     store_path: Path | None = Field(Path("data/kv"), description="directory of the SSD tier")
     memory_budget_gb: float = Field(2.0, ge=0)
+    kv_cache_policy: PolicyName = Field(
+        "tinylfu",
+        description="eviction policy of the host-memory and gpu KV tiers: tinylfu (W-TinyLFU: "
+        "one-off chunks cannot flush the warm ones) or lru; see docs/kvstore.md",
+    )
     ssd_budget_gb: float = Field(20.0, ge=0)
     kv_encoding: Encoding = Field(
         "int8",

@@ -1,13 +1,16 @@
 """Engine settings: an engine reachable beyond loopback needs the internal token, which is
-read from either variable and never shown; the SSD tier's KV encoding is one of the codec's."""
+read from either variable and never shown; the SSD tier's KV encoding is one of the codec's;
+the memory tiers' eviction policy reaches the KV store's configuration."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from engine.api.main import kv_store_config
 from engine.api.settings import EngineSettings
 from kvstore import codec
+from kvstore.admission import POLICIES
 
 
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(monkeypatch):
@@ -37,4 +40,18 @@ def test_kv_encoding_defaults_to_int8_and_takes_each_codec_encoding_from_the_env
         assert EngineSettings(model="m").kv_encoding == encoding
     monkeypatch.setenv("RAGBLEND_ENGINE_KV_ENCODING", "int4")
     with pytest.raises(ValidationError, match="kv_encoding"):
+        EngineSettings(model="m")
+
+
+def test_kv_cache_policy_defaults_to_tinylfu_and_reaches_the_store_config(monkeypatch):
+    monkeypatch.delenv("RAGBLEND_ENGINE_KV_CACHE_POLICY", raising=False)
+    default = EngineSettings(model="m")
+    assert default.kv_cache_policy == "tinylfu"
+    assert kv_store_config(default, "fp", "cpu").memory_policy == "tinylfu"
+    for policy in POLICIES:
+        monkeypatch.setenv("RAGBLEND_ENGINE_KV_CACHE_POLICY", policy)
+        settings = EngineSettings(model="m")
+        assert kv_store_config(settings, "fp", "cpu").memory_policy == policy
+    monkeypatch.setenv("RAGBLEND_ENGINE_KV_CACHE_POLICY", "lfu")
+    with pytest.raises(ValidationError, match="kv_cache_policy"):
         EngineSettings(model="m")

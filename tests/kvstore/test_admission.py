@@ -1,11 +1,11 @@
-"""W-TinyLFU admission for the in-memory tiers: the frequency sketch's counts and aging, a
-one-off scan that cannot evict a hot entry (it does under LRU), and the byte budget held."""
+"""W-TinyLFU admission for the in-memory tiers: the frequency sketch's counts and aging, one
+count per use of a key, a one-off scan that cannot evict a hot entry (it does under LRU)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvstore.admission import COUNTER_MAX, FrequencySketch
+from kvstore.admission import COUNTER_MAX, FrequencySketch, TinyLFUPolicy
 from kvstore.memory_tier import MemoryTier
 from kvstore.types import ChunkKV
 
@@ -33,8 +33,28 @@ def test_the_sketch_halves_every_count_after_its_sample_of_increments():
         sketch.increment("hot")
     before = sketch.estimate("hot")
     for i in range(10 * sketch.capacity):
-        sketch.increment(f"one-off-{i}")
+        sketch.increment(f"warm-{i % 4}")
     assert sketch.estimate("hot") <= before // 2 + 1 < before
+
+
+def test_first_sightings_of_one_off_keys_do_not_age_the_sketch():
+    sketch = FrequencySketch(1024)
+    for _ in range(8):
+        sketch.increment("hot")
+    for i in range(10 * sketch.capacity):
+        sketch.increment(f"one-off-{i}")
+    assert sketch.estimate("hot") == 8
+
+
+def test_a_missed_lookup_and_its_write_back_count_once():
+    policy = TinyLFUPolicy(4 * ENTRY_BYTES)
+    policy.access("missed", hit=False)
+    policy.insert("missed", ENTRY_BYTES)
+    policy.insert("put-only", ENTRY_BYTES)
+    assert policy.sketch.estimate("missed") == policy.sketch.estimate("put-only") == 1
+    policy.access("missed", hit=True)
+    policy.insert("missed", ENTRY_BYTES)  # a put again, no lookup missed it: a use of its own
+    assert policy.sketch.estimate("missed") == 3
 
 
 def scan(tier: MemoryTier, hot: list[str], rounds: int) -> None:

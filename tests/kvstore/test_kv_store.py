@@ -13,6 +13,8 @@ import torch
 
 from kvstore import store as kvstore_store
 from kvstore import tiers
+from kvstore.admission import PolicyName
+from kvstore.memory_tier import MemoryTier
 from kvstore.store import KVStore, KVStoreConfig
 from kvstore.types import ChunkKV
 from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, key_of, make_kv, read_entry
@@ -20,12 +22,15 @@ from tests.kvstore.kv_testutil import FINGERPRINT, assert_kv_equal, key_of, make
 KEYS = [key_of(i) for i in range(40)]
 
 
-def _config(tmp_path: Path | None, memory_entries: int = 100) -> KVStoreConfig:
+def _config(
+    tmp_path: Path | None, memory_entries: int = 100, memory_policy: PolicyName = "tinylfu"
+) -> KVStoreConfig:
     return KVStoreConfig(
         model_fingerprint=FINGERPRINT,
         memory_budget_bytes=memory_entries * make_kv().nbytes,
         ssd_path=None if tmp_path is None else tmp_path / "kv",
         ssd_budget_bytes=1 << 30,
+        memory_policy=memory_policy,
     )
 
 
@@ -43,7 +48,8 @@ def test_put_then_read_is_exact_in_memory_and_after_restart(tmp_path: Path, dtyp
 
 
 def test_memory_eviction_keeps_entries_readable_from_ssd(tmp_path: Path) -> None:
-    with KVStore(_config(tmp_path, memory_entries=2)) as store:
+    # lru: the expected tiers follow its exact eviction order.
+    with KVStore(_config(tmp_path, memory_entries=2, memory_policy="lru")) as store:
         for i in range(3):
             store.put(KEYS[i], make_kv(seed=i))
         store.flush()
@@ -51,6 +57,37 @@ def test_memory_eviction_keeps_entries_readable_from_ssd(tmp_path: Path) -> None
         assert_kv_equal(read_entry(store, KEYS[0]), make_kv(seed=0))
         store.flush()
         assert store.lookup(KEYS[:3]) == ["memory", "ssd", "memory"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "held"),
+    [("lru", [None, tiers.MEMORY, tiers.MEMORY]), ("tinylfu", [tiers.MEMORY, tiers.MEMORY, None])],
+)
+def test_the_memory_policy_decides_whether_a_new_entry_evicts_a_warm_one(
+    policy: PolicyName, held: list[str | None]
+) -> None:
+    with KVStore(_config(None, memory_entries=2, memory_policy=policy)) as store:
+        for i in range(2):
+            store.put(KEYS[i], make_kv(seed=i))
+        for _ in range(3):
+            for key in KEYS[:2]:
+                assert read_entry(store, key) is not None
+        assert read_entry(store, KEYS[2]) is None  # a one-off chunk: missed, then written back
+        store.put(KEYS[2], make_kv(seed=2))
+        assert store.lookup(KEYS[:3]) == held
+
+
+def test_the_memory_policy_is_that_of_the_gpu_tier_too_and_must_be_known() -> None:
+    for policy in ("lru", "tinylfu"):
+        config = KVStoreConfig(
+            model_fingerprint=FINGERPRINT, gpu_budget_bytes=1 << 20, memory_policy=policy
+        )
+        with KVStore(config) as store:
+            for name in (tiers.MEMORY, tiers.GPU):
+                tier = store.tier(name)
+                assert isinstance(tier, MemoryTier) and tier.policy == policy
+    with pytest.raises(ValueError, match="memory_policy"):
+        KVStoreConfig(model_fingerprint=FINGERPRINT, memory_policy="lfu")  # type: ignore[arg-type]
 
 
 def test_memory_only_store_works_without_ssd() -> None:
@@ -234,18 +271,22 @@ def test_an_entry_hit_repeatedly_in_host_memory_is_promoted_to_the_gpu_tier() ->
         assert_kv_equal(store.tier(tiers.GPU).get(KEYS[0]), kv)
 
 
-def _gpu_config(memory_entries: int, gpu_promote_hits: int) -> KVStoreConfig:
+def _gpu_config(
+    memory_entries: int, gpu_promote_hits: int, memory_policy: PolicyName = "tinylfu"
+) -> KVStoreConfig:
     """A gpu tier on the CPU: the promotion bookkeeping of CUDA, testable here."""
     return KVStoreConfig(
         model_fingerprint=FINGERPRINT,
         memory_budget_bytes=memory_entries * make_kv().nbytes,
         gpu_budget_bytes=1 << 20,
         gpu_promote_hits=gpu_promote_hits,
+        memory_policy=memory_policy,
     )
 
 
 def test_a_hit_before_an_entry_left_host_memory_does_not_count_towards_the_gpu() -> None:
-    with KVStore(_gpu_config(memory_entries=1, gpu_promote_hits=2)) as store:
+    # lru: the second put must evict KEYS[0] from host memory, whatever its hit.
+    with KVStore(_gpu_config(memory_entries=1, gpu_promote_hits=2, memory_policy="lru")) as store:
         store.put(KEYS[0], make_kv(seed=0))
         read_entry(store, KEYS[0])  # one hit
         store.put(KEYS[1], make_kv(seed=1))  # evicts KEYS[0] from host memory
