@@ -48,12 +48,12 @@ class QueueEstimate:
 
     def observe(self, step: StepRecord) -> None:
         if step.num_decodes and step.decode_s > 0.0:
-            self.decode_step_s = _average(self.decode_step_s, step.decode_s)
+            self.decode_step_s = smoothed(self.decode_step_s, step.decode_s)
         # A prefill in pieces spends several steps: its throughput counts once it completes.
         self._prefill_s += step.prefill_s
         if step.prefill_tokens and self._prefill_s > 0.0:
             rate = step.prefill_tokens / self._prefill_s
-            self.prefill_tokens_per_s = _average(self.prefill_tokens_per_s, rate)
+            self.prefill_tokens_per_s = smoothed(self.prefill_tokens_per_s, rate)
             self._prefill_s = 0.0
 
     def wait_s(
@@ -87,5 +87,6 @@ class QueueEstimate:
         return prefill_s + decode_steps * (self.decode_step_s or 0.0)
 
 
-def _average(old: float | None, new: float) -> float:
+def smoothed(old: float | None, new: float) -> float:
+    """A running average that gives the newest value SMOOTHING of the weight."""
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new

@@ -12,7 +12,7 @@ from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.runner import ModelRunner
-from engine.scheduler import Step, prefill_tokens
+from engine.scheduler import Step
 from engine.shadow import Shadow
 from engine.types import StepRecord
 
@@ -49,6 +49,7 @@ class Executor:
             len(step.prefills),
             completed_tokens,
             time.perf_counter() - decode_end,
+            self.budget.used,
         )
 
     def submit_shadows(self, finished: list[Job], busy: bool) -> None:
@@ -76,7 +77,7 @@ class Executor:
             seq.prefill_steps = self.prefiller.request_steps(
                 seq.layout, request, self.budget, out=out, opened=seq.opened
             )
-        self.budget.left = step.prefill_tokens * num_layers
+        self.budget.left, self.budget.used = step.prefill_tokens * num_layers, 0
         completed, first_tokens = 0, 0
         for seq in seqs:
             if self.budget.spent:
@@ -86,8 +87,7 @@ class Executor:
                 first_tokens += 1
                 # It now waits for its next token: what is left of an unbounded step (nothing
                 # decoded in it) is bounded as if it decoded.
-                bounded = prefill_tokens(step.max_num_batched_tokens, first_tokens) * num_layers
-                self.budget.left = min(self.budget.left, bounded)
+                self.budget.left = min(self.budget.left, step.budget(first_tokens) * num_layers)
         return completed
 
     def abandon(self, seq: Job) -> None:

@@ -18,7 +18,8 @@ class EngineOptions:
     `max_waiting` more requests queue beyond the free slots; past that `start()` raises
     QueueFullError. A step feeds the model at most `max_num_batched_tokens` tokens, one per
     decoding sequence first; prefills fill the rest and pause where it ends (default:
-    batched_tokens_default()). `shadow` samples blended requests for shadow checks
+    batched_tokens_default()), and within `prefill_decode_ratio` times the measured time of a
+    decode (engine/pacing.py). `shadow` samples blended requests for shadow checks
     (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best
@@ -39,6 +40,7 @@ class EngineOptions:
     kv_pool_bytes: int | None = None
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
+    prefill_decode_ratio: float = 1.5
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers
@@ -55,11 +57,11 @@ class EngineOptions:
 
 
 def batched_tokens_default(device_type: str) -> int:
-    """128 tokens on the CPU, where a prompt token costs about what 1/30 of a decode step does
-    (both scale with the weights: ~0.9 ms and ~30 ms for a 124M-parameter model), so a step
-    that also prefills takes ~2.5x the unloaded time per output token (bench/serving.py).
-    2048 on a GPU, whose step costs about the same from 1 to thousands of tokens."""
-    return 128 if device_type == "cpu" else 2048
+    """256 tokens on the CPU, where a prompt token costs about 1/30 of a decode step (both
+    scale with the weights: ~0.5-0.9 ms and ~30 ms for a 124M-parameter model); the pacing by
+    time usually binds first. 2048 on a GPU, whose step costs about the same from one token
+    to thousands."""
+    return 256 if device_type == "cpu" else 2048
 
 
 def default_selection(check_layers: tuple[int, ...]) -> Selection:

@@ -25,22 +25,16 @@ S = TypeVar("S", bound=Sequence)
 MIN_PREFILL_TOKENS = 16
 
 
-def prefill_tokens(max_num_batched_tokens: int | None, num_decoding: int) -> float:
-    """What a step leaves its prefills when `num_decoding` sequences wait for a token: the
-    budget less one token each, at least MIN_PREFILL_TOKENS; math.inf when none waits."""
-    if max_num_batched_tokens is None or not num_decoding:
-        return math.inf
-    return max(max_num_batched_tokens - num_decoding, MIN_PREFILL_TOKENS)
-
-
 @dataclass
 class Step(Generic[S]):
     """What one engine step runs: a token for each of `decodes`, then `prefills` in order
-    (those in flight first) within `prefill_tokens(max_num_batched_tokens, ...)`."""
+    (those in flight first) within the tokens `budget` leaves them. `paced_tokens`: the prompt
+    tokens that fit in the time the engine allows a step's prefills (engine/pacing.py)."""
 
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)
     max_num_batched_tokens: int | None = None
+    paced_tokens: float = math.inf
 
     @property
     def sequences(self) -> list[S]:
@@ -48,7 +42,18 @@ class Step(Generic[S]):
 
     @property
     def prefill_tokens(self) -> float:
-        return prefill_tokens(self.max_num_batched_tokens, len(self.decodes))
+        return self.budget(len(self.decodes))
+
+    def budget(self, num_decoding: int) -> float:
+        """What the step leaves its prefills when `num_decoding` sequences wait for a token:
+        max_num_batched_tokens less one token each, within the paced tokens, at least
+        MIN_PREFILL_TOKENS; math.inf when none waits (a lone prefill runs whole)."""
+        if not num_decoding:
+            return math.inf
+        left = math.inf
+        if self.max_num_batched_tokens is not None:
+            left = self.max_num_batched_tokens - num_decoding
+        return max(min(left, self.paced_tokens), MIN_PREFILL_TOKENS)
 
 
 class Scheduler(Generic[S]):

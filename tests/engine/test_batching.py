@@ -250,3 +250,42 @@ def test_once_a_prefill_of_an_idle_step_completes_the_next_prefill_keeps_to_the_
     assert first.num_decodes == 0 and first.num_prefills == 2
     assert first.prefill_tokens == engine.layout(requests[0]).num_tokens
     assert after.num_decodes == 1 and after.num_prefills == 1
+
+
+def test_paced_by_time_a_prefill_beside_decodes_pauses_under_a_loose_token_budget(
+    checkpoint_dir, make_chunks
+):
+    engine = Engine.from_pretrained(
+        checkpoint_dir("llama"),
+        check_layers=(1,),
+        max_num_batched_tokens=100_000,
+        prefill_decode_ratio=0.5,
+    )
+    steps: list[StepRecord] = []
+    try:
+        long_chunks = make_chunks(5, words=40, seed=27)
+        first = request(long_chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=64, ignore_eos=True)
+        later = request(long_chunks, mode=Mode.FULL_PREFILL)
+        engine.generate(later)  # both speeds measured: a prefill and decodes
+        engine.add_step_listener(steps.append)
+
+        async def together() -> None:
+            started = asyncio.Event()
+
+            async def run(req: GenerateRequest, signal: asyncio.Event | None = None) -> None:
+                async for _ in engine.start(req):
+                    if signal is not None:
+                        signal.set()
+
+            head = asyncio.create_task(run(first, started))
+            await started.wait()
+            await run(later)
+            await head
+
+        asyncio.run(together())
+    finally:
+        engine.close()
+    # The 100,000-token budget would let the later prompt prefill whole beside the decodes;
+    # paced to half a decode's time, it computes in pieces over several steps.
+    paused = [s for s in steps if s.num_decodes and s.num_prefills and not s.prefill_tokens]
+    assert len(paused) >= 2
