@@ -149,8 +149,8 @@ def prefill_steps(
             h, paused = yield from _pieces(
                 ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope
             )
-        end = time.perf_counter()
-        layer_computes.append(LayerCompute(i, compute_start, end, num_computed, paused))
+        compute_end = time.perf_counter()
+        layer_computes.append(LayerCompute(i, compute_start, compute_end, num_computed, paused))
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
     return PrefillOutput(

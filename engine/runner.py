@@ -158,3 +158,93 @@ class ModelRunner:
             )
             h = ops.finish_layer(i, h, out[slot_idx].reshape(batch, -1))
         return ops.logits_batch(h)
+
+
+class PagedRunner:
+    """The KV pool as blocks of `block_size` positions and a batched decode that reads each
+    sequence's blocks through its block table (a list of block ids, in position order).
+
+    Pool: keys and values [L, N, block_size, H_kv, D], token-major within a block: gathering a
+    sequence's blocks gives [T, H_kv, D] rows that a transposed view hands to SDPA without a
+    second copy (measured on the CPU: 2-3x faster than head-major blocks, whose gather needs a
+    permuting copy).
+    """
+
+    def __init__(self, ops: LayerOps, num_blocks: int, block_size: int, max_model_len: int):
+        self.ops = ops
+        shape = ops.shape
+        self.num_blocks, self.block_size = num_blocks, block_size
+        pool_shape = (shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # Zeros, not empty: a padded row multiplies masked-out values by exactly 0, and 0 * NaN
+        # from uninitialised memory would poison it.
+        self.keys = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
+        self.values = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
+        self.cos, self.sin = ops.rope_tables(max_model_len)  # [C, D]
+        self.group = shape.num_heads // shape.num_kv_heads
+
+    def _token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the pool flattened to [N * block_size, H_kv, D] that hold `positions`."""
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def write_prompt(self, table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy a prompt's KV [L, H_kv, n, D] into the first blocks of `table`."""
+        device = self.ops.device
+        rows = self._token_rows(
+            torch.tensor(table, device=device), torch.arange(keys.shape[2], device=device)
+        )
+        flat_keys, flat_values = self.keys.flatten(1, 2), self.values.flatten(1, 2)
+        flat_keys[:, rows] = keys.transpose(1, 2)
+        flat_values[:, rows] = values.transpose(1, 2)
+
+    @torch.inference_mode()
+    def decode(
+        self, tables: list[list[int]], positions: list[int], token_ids: list[int]
+    ) -> torch.Tensor:
+        """Feed token_ids[b] at positions[b] of the sequence whose blocks are tables[b]; logits
+        [B, vocab] (float32).
+
+        The blocks of row b must hold the KV of positions 0..positions[b]-1; the new K/V are
+        written at positions[b], in place. Each layer gathers every row's blocks up to the
+        longest context (short tables padded with block 0, masked out) and runs SDPA once, each
+        row masked to its own positions (and sliding window).
+        """
+        ops, device, shape = self.ops, self.ops.device, self.ops.shape
+        batch, size = len(tables), self.block_size
+        width = max(positions) // size + 1  # blocks each row reads
+        table = torch.tensor(
+            [t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device
+        )  # [B, W]
+        pos = torch.tensor(positions, device=device)
+        rows = table[torch.arange(batch, device=device), pos // size] * size + pos % size
+        cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
+        key_pos = torch.arange(width * size, device=device)[None, :]
+        causal = key_pos <= pos[:, None]  # [B, T]
+        masks: dict[int | None, torch.Tensor] = {None: causal[:, None, None, :]}
+        h = ops.embed(torch.tensor(token_ids, device=device))  # [B, d]
+        for i in range(shape.num_layers):
+            q, k, v = ops.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
+            q = ops.rotate(q, cos, sin)
+            k = ops.rotate(k, cos, sin)
+            self.keys[i].flatten(0, 1)[rows] = k.transpose(0, 1)
+            self.values[i].flatten(0, 1)[rows] = v.transpose(0, 1)
+            window = ops.windows[i]
+            if window not in masks:
+                assert window is not None
+                masks[window] = (causal & (key_pos > pos[:, None] - window))[:, None, None]
+            # One query per sequence: the G query heads of a KV group attend as G rows over the
+            # same keys, which needs no GQA support from the kernel.
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1),
+                self._gather(self.keys[i], table),
+                self._gather(self.values[i], table),
+                attn_mask=masks[window],
+                scale=ops.blocks[i].self_attn.scaling,
+            )
+            h = ops.finish_layer(i, h, out.reshape(batch, -1))
+        return ops.logits_batch(h)
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """[B, H_kv, W * block_size, D]: a layer's blocks [N, block_size, H_kv, D] of each row."""
+        blocks = pool[table]  # [B, W, block_size, H_kv, D], the one copy
+        return blocks.flatten(1, 2).transpose(1, 2)
