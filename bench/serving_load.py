@@ -120,7 +120,8 @@ def serving(
                     budget = getattr(engine.scheduler, "max_num_batched_tokens", None)
                     notes += [
                         f"{workload.describe(args)}, {args.output_tokens} output tokens; KV "
-                        f"slots {engine.runner.num_slots} x {engine.max_model_len}",
+                        f"pool {engine.runner.num_blocks} blocks x {engine.runner.block_size}, "
+                        f"max_model_len {engine.max_model_len}",
                         "max_num_batched_tokens: "
                         + (f"{budget}" if budget is not None else "none (prefills run whole)")
                         + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
-from engine.runner import PagedRunner
+from engine.runner import ModelRunner
 from engine.types import GenerateRequest, Mode
 from tests.engine.slot_reference import SlotPool
 
@@ -39,7 +39,7 @@ def shuffled_tables(lengths: list[int], num_blocks: int, seed: int) -> list[list
     return tables
 
 
-def paged_kv(runner: PagedRunner, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_kv(runner: ModelRunner, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A sequence's first n positions read back from its blocks as [L, H_kv, n, D]."""
     size = runner.block_size
     rows = torch.tensor(table)[torch.arange(n) // size] * size + torch.arange(n) % size
@@ -57,7 +57,7 @@ def test_paged_decode_matches_the_slot_decode_over_shuffled_blocks(engine_for, m
     model_len = max(lengths) + STEPS + 1
     slots = SlotPool(engine.ops, len(kvs), model_len)
     num_blocks = 3 * len(kvs) * -(-model_len // BLOCK_SIZE)  # room to scatter
-    paged = PagedRunner(engine.ops, num_blocks, BLOCK_SIZE, model_len)
+    paged = ModelRunner(engine.ops, num_blocks, BLOCK_SIZE, model_len, num_lanes=1)
     tables = shuffled_tables(lengths, num_blocks, seed=FAMILIES.index(family))
     assert any(t != sorted(t) for t in tables), "blocks out of order"
     for slot, ((keys, values, _), table) in enumerate(zip(kvs, tables, strict=True)):
