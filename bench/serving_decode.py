@@ -8,13 +8,12 @@ import gc
 import random
 
 import torch
-import torch.nn.functional as F
 from harness import median_seconds
 
 from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from engine.engine import Engine
 from engine.layers import LayerOps
-from engine.runner import gather_blocks, pool_bytes
+from engine.runner import pool_bytes
 
 
 def _decode_engine(loaded, store, num_seqs: int, model_len: int) -> Engine:
@@ -80,16 +79,14 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
 def attention_and_copy_seconds(
     engine: Engine, batch: int, context: int, repeats: int
 ) -> tuple[float, float]:
-    """Seconds of the decode step's attention reads alone (every layer, same shapes as the
-    runner's: the gather of each sequence's blocks, then SDPA), and of one torch.cat of the
-    context KV per layer (what a cache that grows by concatenation, as transformers'
+    """Seconds of the decode step's attention reads alone (every layer, the runner's own
+    attention over the same blocks: `ModelRunner.reads` and `attention`), and of one torch.cat
+    of the context KV per layer (what a cache that grows by concatenation, as transformers'
     DynamicCache, adds to every token)."""
     runner = engine.runner
     shape = engine.ops.shape
-    keys, values = runner.keys, runner.values
-    width = context // runner.block_size + 1  # blocks the step reads, as runner.decode
-    table = torch.tensor([t[:width] for t in block_tables(engine, batch)], device=keys.device)
-    num_keys = width * runner.block_size
+    keys = runner.keys
+    reads = runner.reads(block_tables(engine, batch), [context] * batch)
     q = torch.randn(
         batch,
         shape.num_kv_heads,
@@ -98,7 +95,6 @@ def attention_and_copy_seconds(
         dtype=keys.dtype,
         device=keys.device,
     )
-    mask = torch.ones(batch, 1, 1, num_keys, dtype=torch.bool, device=keys.device)
     new = torch.zeros(
         batch, shape.num_kv_heads, 1, shape.head_dim, dtype=keys.dtype, device=keys.device
     )
@@ -112,13 +108,7 @@ def attention_and_copy_seconds(
     @torch.inference_mode()
     def attention():
         for i in range(shape.num_layers):
-            F.scaled_dot_product_attention(
-                q,
-                gather_blocks(keys[i], table),
-                gather_blocks(values[i], table),
-                attn_mask=mask,
-                scale=shape.head_dim**-0.5,
-            )
+            runner.attention(i, q, reads)
 
     @torch.inference_mode()
     def concatenate():

@@ -75,14 +75,19 @@ def _default_pool_bytes(device: torch.device) -> int:
     return available_ram_bytes() // 4
 
 
+# Per row, a slice of the flattened pool or its rows to gather (`_row_reads`); or, batched, the
+# block table [B, W], key positions [1, T] and causal mask [B, T] (`_batched_reads`).
+Reads = list[slice | torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class ModelRunner:
     """The KV pool as blocks of `block_size` positions and a batched decode that reads each
     sequence's blocks through its block table (a list of block ids, in position order).
 
-    Pool: keys and values [L, N, block_size, H_kv, D], token-major within a block: gathering a
-    sequence's blocks gives [T, H_kv, D] rows that a transposed view hands to SDPA without a
-    second copy (measured on the CPU: 2-3x faster than head-major blocks, whose gather needs a
-    permuting copy).
+    Pool: keys and values [L, N, block_size, H_kv, D], token-major within a block: a run of
+    consecutive blocks is the sequence's [T, H_kv, D] rows in order, which a transposed view
+    hands to SDPA without a copy, and gathering scattered blocks gives the same rows in one
+    copy (measured on the CPU: 2-3x faster than head-major blocks, whose gather permutes).
     """
 
     def __init__(
@@ -105,6 +110,9 @@ class ModelRunner:
             ) from exc
         self.cos, self.sin = ops.rope_tables(max_model_len)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
+        # One SDPA per row over views of its blocks on the CPU (see _attend_rows); one batched
+        # SDPA over gathered blocks elsewhere.
+        self.per_row = ops.device.type == "cpu"
         vocab_size = ops.model.lm_head.weight.shape[0]  # the width of the logits
         # One row per lane: the small id each running sequence holds (engine/scheduler.py).
         self.penalties = PenaltyState(num_lanes, vocab_size, ops.device)
@@ -145,44 +153,117 @@ class ModelRunner:
         [B, vocab] (float32).
 
         The blocks of row b must hold the KV of positions 0..positions[b]-1; the new K/V are
-        written at positions[b], in place. Each layer gathers every row's blocks up to the
-        longest context (short tables padded with block 0, masked out) and runs SDPA once, each
-        row masked to its own positions (and sliding window).
+        written at positions[b], in place, and each row attends over its own positions (and
+        sliding window): `_attend_rows` on the CPU, `_attend_batched` elsewhere.
         """
         ops, device, shape = self.ops, self.ops.device, self.ops.shape
         batch, size = len(tables), self.block_size
-        width = max(positions) // size + 1  # blocks each row reads
-        table = torch.tensor(
-            [t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device
-        )  # [B, W]
         pos = torch.tensor(positions, device=device)
-        rows = table[torch.arange(batch, device=device), pos // size] * size + pos % size
+        new_rows = torch.tensor(
+            [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)],
+            device=device,
+        )
+        reads = self.reads(tables, positions)
         cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
-        key_pos = torch.arange(width * size, device=device)[None, :]
-        causal = key_pos <= pos[:, None]  # [B, T]
-        masks: dict[int | None, torch.Tensor] = {None: causal[:, None, None, :]}
         h = ops.embed(torch.tensor(token_ids, device=device))  # [B, d]
         for i in range(shape.num_layers):
             q, k, v = ops.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
             q = ops.rotate(q, cos, sin)
             k = ops.rotate(k, cos, sin)
-            self.keys[i].flatten(0, 1)[rows] = k.transpose(0, 1)
-            self.values[i].flatten(0, 1)[rows] = v.transpose(0, 1)
-            window = ops.windows[i]
-            if window not in masks:
-                assert window is not None
-                masks[window] = (causal & (key_pos > pos[:, None] - window))[:, None, None]
+            self.keys[i].flatten(0, 1)[new_rows] = k.transpose(0, 1)
+            self.values[i].flatten(0, 1)[new_rows] = v.transpose(0, 1)
             # One query per sequence: the G query heads of a KV group attend as G rows over the
             # same keys, which needs no GQA support from the kernel.
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1),
-                gather_blocks(self.keys[i], table),
-                gather_blocks(self.values[i], table),
-                attn_mask=masks[window],
-                scale=ops.blocks[i].self_attn.scaling,
-            )
+            q_rows = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
+            out = self.attention(i, q_rows, reads)
             h = ops.finish_layer(i, h, out.reshape(batch, -1))
         return ops.logits_batch(h)
+
+    def reads(self, tables: list[list[int]], positions: list[int]) -> Reads:
+        """What `attention` reads for rows whose last positions are `positions`."""
+        if self.per_row:
+            return self._row_reads(tables, positions)
+        return self._batched_reads(tables, torch.tensor(positions, device=self.ops.device))
+
+    def attention(self, i: int, q_rows: torch.Tensor, reads: Reads) -> torch.Tensor:
+        """Layer i's attention of queries [B, H_kv, G, D] over each row's keys; [B, H_kv, G, D]."""
+        if isinstance(reads, list):
+            return self._attend_rows(i, q_rows, reads)
+        return self._attend_batched(i, q_rows, *reads)
+
+    def _row_reads(
+        self, tables: list[list[int]], positions: list[int]
+    ) -> list[slice | torch.Tensor]:
+        """Where the keys 0..positions[b] of each row lie in the pool flattened to
+        [N * block_size, H_kv, D]: a slice where its blocks are one run of consecutive ids
+        (read as a view, no copy; admission reserves a sequence's blocks at once, so most are),
+        else the rows to gather."""
+        device = self.ops.device
+        reads: list[slice | torch.Tensor] = []
+        for table, position in zip(tables, positions, strict=True):
+            n = position + 1
+            used = table[: -(-n // self.block_size)]
+            if used == list(range(used[0], used[0] + len(used))):
+                start = used[0] * self.block_size
+                reads.append(slice(start, start + n))
+            else:
+                index = torch.tensor(used, device=device)
+                reads.append(self._token_rows(index, torch.arange(n, device=device)))
+        return reads
+
+    def _attend_rows(
+        self, i: int, q_rows: torch.Tensor, reads: list[slice | torch.Tensor]
+    ) -> torch.Tensor:
+        """Layer i's attention, one SDPA per row over exactly its own keys (no mask, no padding).
+        On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
+        context costs 2.5-4x the attention itself (bench/paged_capacity.py)."""
+        keys, values = self.keys[i].flatten(0, 1), self.values[i].flatten(0, 1)
+        window, scale = self.ops.windows[i], self.ops.blocks[i].self_attn.scaling
+        outs = []
+        for q, read in zip(q_rows[:, None], reads, strict=True):
+            # [1, H_kv, n, D] views: 4-D inputs take SDPA's fused CPU kernel (3-D ones measured
+            # 40x slower).
+            k, v = keys[read].transpose(0, 1)[None], values[read].transpose(0, 1)[None]
+            if window is not None:
+                k, v = k[:, :, -window:], v[:, :, -window:]
+            outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0])
+        return torch.stack(outs)  # [B, H_kv, G, D]
+
+    def _batched_reads(
+        self, tables: list[list[int]], pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row's blocks up to the longest context, [B, W] (short tables padded with block
+        0, masked out), the key positions [1, T] and the causal mask [B, T]."""
+        device, size = self.ops.device, self.block_size
+        width = int(pos.max()) // size + 1
+        table = torch.tensor(
+            [t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device
+        )
+        key_pos = torch.arange(width * size, device=device)[None, :]
+        return table, key_pos, key_pos <= pos[:, None]
+
+    def _attend_batched(
+        self,
+        i: int,
+        q_rows: torch.Tensor,
+        table: torch.Tensor,
+        key_pos: torch.Tensor,
+        causal: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer i's attention as one SDPA over the gathered blocks of every row, each row masked
+        to its own positions (and sliding window): one launch per layer, for devices where
+        launches, not copies, bound a decode step (CUDA: not measured against the slot view)."""
+        window, mask = self.ops.windows[i], causal
+        if window is not None:
+            pos = causal.sum(-1, keepdim=True) - 1
+            mask = causal & (key_pos > pos - window)
+        return F.scaled_dot_product_attention(
+            q_rows,
+            gather_blocks(self.keys[i], table),
+            gather_blocks(self.values[i], table),
+            attn_mask=mask[:, None, None],
+            scale=self.ops.blocks[i].self_attn.scaling,
+        )
 
 
 def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Paged decode against the slot decode it replaces: the same logits and the same KV for a batch
-of mixed lengths whose blocks are shuffled through the pool, on every family."""
+of mixed lengths, blocks shuffled through the pool or in runs, by both attention paths."""
 
 from __future__ import annotations
 
@@ -27,15 +27,20 @@ def prompt_kv(engine, chunks) -> tuple[torch.Tensor, torch.Tensor, int]:
     return prefill.output.keys, prefill.output.values, int(prefill.output.logits.argmax())
 
 
-def shuffled_tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:
-    """Disjoint block tables with room for each length plus STEPS, in random pool order."""
+def block_tables(lengths: list[int], num_blocks: int, seed: int | None) -> list[list[int]]:
+    """Disjoint block tables with room for each length plus STEPS: in random pool order, or
+    (seed None) runs of consecutive ids, the first table's two halves swapped."""
     ids = list(range(num_blocks))
-    random.Random(seed).shuffle(ids)
+    if seed is not None:
+        random.Random(seed).shuffle(ids)
     tables = []
     for n in lengths:
         need = -(-(n + STEPS) // BLOCK_SIZE)
         tables.append(ids[:need])
         ids = ids[need:]
+    if seed is None:  # one row gathered beside rows read as views
+        half = len(tables[0]) // 2
+        tables[0] = tables[0][half:] + tables[0][:half]
     return tables
 
 
@@ -47,8 +52,10 @@ def paged_kv(runner: ModelRunner, table: list[int], n: int) -> tuple[torch.Tenso
     return keys, runner.values.flatten(1, 2)[:, rows].transpose(1, 2)
 
 
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "batched"])
+@pytest.mark.parametrize("blocks", ["shuffled", "runs"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_paged_decode_matches_the_slot_decode_over_shuffled_blocks(engine_for, make_chunks, family):
+def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, blocks, per_row):
     engine = engine_for(family)
     prompts = [make_chunks(4, words=40, seed=31), make_chunks(1, seed=32), make_chunks(2, seed=33)]
     kvs = [prompt_kv(engine, chunks) for chunks in prompts]
@@ -58,8 +65,11 @@ def test_paged_decode_matches_the_slot_decode_over_shuffled_blocks(engine_for, m
     slots = SlotPool(engine.ops, len(kvs), model_len)
     num_blocks = 3 * len(kvs) * -(-model_len // BLOCK_SIZE)  # room to scatter
     paged = ModelRunner(engine.ops, num_blocks, BLOCK_SIZE, model_len, num_lanes=1)
-    tables = shuffled_tables(lengths, num_blocks, seed=FAMILIES.index(family))
-    assert any(t != sorted(t) for t in tables), "blocks out of order"
+    paged.per_row = per_row  # both attention paths, whatever the device picks
+    seed = FAMILIES.index(family) if blocks == "shuffled" else None
+    tables = block_tables(lengths, num_blocks, seed)
+    runs = [t == list(range(t[0], t[0] + len(t))) for t in tables]
+    assert not any(runs) if blocks == "shuffled" else all(runs[1:]) and not runs[0]
     for slot, ((keys, values, _), table) in enumerate(zip(kvs, tables, strict=True)):
         slots.write_prompt(slot, keys, values)
         paged.write_prompt(table, keys, values)
