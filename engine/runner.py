@@ -216,7 +216,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Layer i's attention, one SDPA per row over exactly its own keys (no mask, no padding).
         On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
-        context costs 2.5-4x the attention itself (bench/paged_capacity.py)."""
+        context made the step 2-4x slower at 8K of context (bench/paged_capacity.py)."""
         keys, values = self.keys[i].flatten(0, 1), self.values[i].flatten(0, 1)
         window, scale = self.ops.windows[i], self.ops.blocks[i].self_attn.scaling
         outs = []
