@@ -1,5 +1,5 @@
 """The KV pool as it was before blocks: one slot of max_model_len positions per sequence and a
-batched decode over the slots' views. The reference paged decode must match (and the bench's)."""
+batched decode over the slots' views; what the paged decode must match and is timed against."""
 
 from __future__ import annotations
 
