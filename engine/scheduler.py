@@ -107,9 +107,11 @@ class Scheduler(Generic[S]):
 
     def free_seats(self) -> int:
         """Sequences that could start now: the waiting ones the pool admits, and one arrival of
-        unknown length if a lane and a block are left after them."""
+        unknown length if every waiting one is admitted (none ahead of it is held up) and a
+        lane and a block are left after them."""
         count, blocks_left = self._fit()
-        return count + (count < len(self._free_lanes) and blocks_left > 0)
+        room = count == len(self.waiting) and count < len(self._free_lanes) and blocks_left > 0
+        return count + room
 
     def _fit(self) -> tuple[int, int]:
         """(waiting sequences admitted in order by the free blocks and lanes, blocks left)."""
