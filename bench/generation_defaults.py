@@ -1,11 +1,11 @@
 """Repetition and correctness of greedy answers under sampling penalties, on the project's docs.
 
 Asks 20 questions over passages of docs/*.md (the block holding the answer and the one before
-it). Each prompt is prefilled once (full prefill) into one KV slot per penalty setting, and all
-settings then decode together as one batch through the engine's runner and penalty state, as
-the engine's decode step does. Reports per setting: the share of repeated 3-grams in the
-answers, the answers naming the right fact, the mean answer length. Prints a table and writes
-bench/results/generation_defaults.csv.
+it). Each prompt is prefilled once (full prefill), its KV copied into the blocks of one lane
+per penalty setting, and all settings then decode together as one batch through the engine's
+runner and penalty state, as the engine's decode step does. Reports per setting: the share of
+repeated 3-grams in the answers, the answers naming the right fact, the mean answer length.
+Prints a table and writes bench/results/generation_defaults.csv.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.blocks import BlockManager
 from engine.engine import Engine
 from engine.types import Chunk, GenerateRequest, Mode, Penalties
 
@@ -187,35 +188,39 @@ def repeated_3gram_share(token_ids: list[int]) -> float:
 
 @torch.inference_mode()
 def answers(engine: Engine, question: Question, max_tokens: int) -> list[list[int]]:
-    """Greedy token ids of the answer under each of SETTINGS (slot i: setting i)."""
+    """Greedy token ids of the answer under each of SETTINGS (lane i: setting i)."""
     runner = engine.runner
     layout = engine.layout(
         GenerateRequest(question=question.text, chunks=passages(question), max_tokens=max_tokens)
     )
     n = layout.num_tokens
-    prefill = engine.prefiller.prefill(layout, Mode.FULL_PREFILL, None, runner.slot_kv(0, n))
-    runner.keys[:, 1 : len(SETTINGS), :, :n] = runner.keys[:, :1, :, :n]
-    runner.values[:, 1 : len(SETTINGS), :, :n] = runner.values[:, :1, :, :n]
+    prefill = engine.prefiller.prefill(layout, Mode.FULL_PREFILL)
+    pool = BlockManager(runner.num_blocks, runner.block_size)
+    tables = [pool.allocate(lane, n + max_tokens) for lane in range(len(SETTINGS))]
+    for table in tables:  # one prompt, its KV in every setting's blocks
+        runner.write_prompt(table, prefill.output.keys, prefill.output.values)
     penalties = [Penalties(p, f, r) for _, p, f, r in SETTINGS]
-    for slot in range(len(SETTINGS)):
-        runner.penalties.start(slot, layout.token_ids)
+    for lane in range(len(SETTINGS)):
+        runner.penalties.start(lane, layout.token_ids)
     tokens: list[list[int]] = [[] for _ in SETTINGS]
     live = list(range(len(SETTINGS)))
     logits = prefill.output.logits[None].expand(len(live), -1)
     while True:
         chosen = runner.penalties.apply(logits, live, [penalties[s] for s in live]).argmax(-1)
-        for slot, token in zip(list(live), chosen.tolist(), strict=True):
+        for lane, token in zip(list(live), chosen.tolist(), strict=True):
             if token in engine.eos_ids:
-                live.remove(slot)
+                live.remove(lane)
                 continue
-            tokens[slot].append(token)
-            runner.penalties.add(slot, token)
-            if len(tokens[slot]) == max_tokens:
-                live.remove(slot)
+            tokens[lane].append(token)
+            runner.penalties.add(lane, token)
+            if len(tokens[lane]) == max_tokens:
+                live.remove(lane)
         if not live:
             return tokens
         position = n + len(tokens[live[0]]) - 1
-        logits = runner.decode(live, [position] * len(live), [tokens[s][-1] for s in live])
+        logits = runner.decode(
+            [tables[s] for s in live], [position] * len(live), [tokens[s][-1] for s in live]
+        )
 
 
 def summary(per_setting: list[list[tuple[float, bool, int]]]) -> list[dict]:
@@ -263,11 +268,11 @@ def main() -> None:
     try:
         for question in questions:
             start = time.perf_counter()
-            for slot, ids in enumerate(answers(engine, question, args.max_tokens)):
+            for setting, ids in enumerate(answers(engine, question, args.max_tokens)):
                 text = engine.tokenizer.decode(ids, skip_special_tokens=True)
                 right = any(f.lower() in text.lower() for f in question.facts)
-                per_setting[slot].append((repeated_3gram_share(ids), right, len(ids)))
-                print(f"{SETTINGS[slot][0]:>32} {'ok ' if right else 'no '} {text!r}")
+                per_setting[setting].append((repeated_3gram_share(ids), right, len(ids)))
+                print(f"{SETTINGS[setting][0]:>32} {'ok ' if right else 'no '} {text!r}")
             print(f"--- {question.text} ({time.perf_counter() - start:.0f} s)", flush=True)
             rows = summary(per_setting)
             write_csv(rows, args.out)  # after every question: a long run can be read midway

@@ -124,7 +124,7 @@ def build_engine(
     ssd_encoding: str = "none",
     **options,
 ) -> Engine:
-    """An engine over its own store; one KV-pool slot unless `max_num_seqs` says otherwise
+    """An engine over its own store; a KV pool for one sequence unless `max_num_seqs` says otherwise
     (the prefill benchmarks never serve, and a pool per engine would only take memory)."""
     options.setdefault("max_num_seqs", 1)
     store = build_store(loaded, memory_budget_bytes, ssd_path, gpu_budget_bytes, ssd_encoding)

@@ -500,7 +500,7 @@ def main() -> None:
             auto_coverage=s.auto_coverage or 0.5,
             auto_max_ratio=args.auto_max_ratio,
             max_num_seqs=1,
-            # Prefills here build their KV outside the pool: one small slot per engine.
+            # Prefills here build their KV outside the pool: a small pool per engine.
             max_model_len=min(VARIANT_MODEL_LEN, reference.max_model_len),
             kv_pool_bytes=VARIANT_POOL_BYTES,
         )

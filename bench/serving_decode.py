@@ -8,28 +8,35 @@ import gc
 import random
 
 import torch
-import torch.nn.functional as F
 from harness import median_seconds
 
+from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from engine.engine import Engine
 from engine.layers import LayerOps
 from engine.runner import pool_bytes
 
 
 def _decode_engine(loaded, store, num_seqs: int, model_len: int) -> Engine:
-    """An engine whose pool holds exactly `num_seqs` slots of `model_len` positions."""
-    need = pool_bytes(LayerOps(loaded.model), num_seqs, model_len)
+    """An engine whose pool holds exactly `num_seqs` sequences of `model_len` positions."""
+    blocks = num_seqs * -(-model_len // DEFAULT_BLOCK_SIZE)
+    need = pool_bytes(LayerOps(loaded.model), blocks * DEFAULT_BLOCK_SIZE)
     return Engine(loaded, store, max_num_seqs=num_seqs, max_model_len=model_len, kv_pool_bytes=need)
+
+
+def block_tables(engine: Engine, batch: int) -> list[list[int]]:
+    """The blocks of `batch` sequences of max_model_len, as the scheduler would reserve them."""
+    pool = BlockManager(engine.runner.num_blocks, engine.runner.block_size)
+    return [pool.allocate(b, engine.max_model_len) for b in range(batch)]
 
 
 def decode_step_seconds(
     engine: Engine, batch: int, context: int, repeats: int
 ) -> tuple[float, float]:
     rng = random.Random(batch)
-    slots, positions = list(range(batch)), [context] * batch
+    tables, positions = block_tables(engine, batch), [context] * batch
     tokens = [rng.randrange(1000, 30000) for _ in range(batch)]
     seconds, spread, _ = median_seconds(
-        lambda: engine.runner.decode(slots, positions, tokens), repeats, engine.device
+        lambda: engine.runner.decode(tables, positions, tokens), repeats, engine.device
     )
     return seconds, spread
 
@@ -39,12 +46,13 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
     rows = []
     try:
         notes.append(
-            f"decode: {engine.runner.num_slots} slots x {engine.max_model_len} positions, "
+            f"decode: {engine.runner.num_blocks} blocks of {engine.runner.block_size} for "
+            f"{max(args.decode_batches)} sequences x {engine.max_model_len} positions, "
             f"pool {2 * engine.runner.keys.nbytes / 2**30:.2f} GiB"
         )
         for batch in args.decode_batches:
-            if batch > engine.runner.num_slots:
-                print(f"skip batch {batch}: only {engine.runner.num_slots} slots fit")
+            if batch > engine.scheduler.max_num_seqs:
+                print(f"skip batch {batch}: only {engine.scheduler.max_num_seqs} sequences fit")
                 continue
             seconds, spread = decode_step_seconds(
                 engine, batch, args.decode_context, args.decode_repeats
@@ -71,12 +79,14 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
 def attention_and_copy_seconds(
     engine: Engine, batch: int, context: int, repeats: int
 ) -> tuple[float, float]:
-    """Seconds of the decode step's attention reads alone (every layer, same shapes as the
-    runner's), and of one torch.cat of the context KV per layer (what a cache that grows by
-    concatenation, as transformers' DynamicCache, adds to every token)."""
+    """Seconds of the decode step's attention reads alone (every layer, the runner's own
+    attention over the same blocks: `ModelRunner.reads` and `attention`), and of one torch.cat
+    of the context KV per layer (what a cache that grows by concatenation, as transformers'
+    DynamicCache, adds to every token)."""
     runner = engine.runner
     shape = engine.ops.shape
-    keys, values = runner.keys, runner.values
+    keys = runner.keys
+    reads = runner.reads(block_tables(engine, batch), [context] * batch)
     q = torch.randn(
         batch,
         shape.num_kv_heads,
@@ -85,27 +95,26 @@ def attention_and_copy_seconds(
         dtype=keys.dtype,
         device=keys.device,
     )
-    mask = torch.ones(batch, 1, 1, context + 1, dtype=torch.bool, device=keys.device)
     new = torch.zeros(
         batch, shape.num_kv_heads, 1, shape.head_dim, dtype=keys.dtype, device=keys.device
     )
+    # A contiguous [B, H_kv, T, D] cache, as a concatenating one holds: the copy it makes is
+    # what it costs per token.
+    context_keys = torch.zeros(
+        batch, shape.num_kv_heads, context, shape.head_dim, dtype=keys.dtype, device=keys.device
+    )
+    context_values = torch.zeros_like(context_keys)
 
     @torch.inference_mode()
     def attention():
         for i in range(shape.num_layers):
-            F.scaled_dot_product_attention(
-                q,
-                keys[i][:batch, :, : context + 1],
-                values[i][:batch, :, : context + 1],
-                attn_mask=mask,
-                scale=shape.head_dim**-0.5,
-            )
+            runner.attention(i, q, reads)
 
     @torch.inference_mode()
     def concatenate():
-        for i in range(shape.num_layers):
-            torch.cat([keys[i][:batch, :, :context], new], dim=2)
-            torch.cat([values[i][:batch, :, :context], new], dim=2)
+        for _ in range(shape.num_layers):
+            torch.cat([context_keys, new], dim=2)
+            torch.cat([context_values, new], dim=2)
 
     attn, _, _ = median_seconds(attention, repeats, engine.device)
     copy, _, _ = median_seconds(concatenate, repeats, engine.device)

@@ -118,7 +118,8 @@ def serving(
                     budget = engine.scheduler.max_num_batched_tokens
                     notes += [
                         f"{workload.describe(args)}, {args.output_tokens} output tokens; KV "
-                        f"slots {engine.runner.num_slots} x {engine.max_model_len}",
+                        f"pool {engine.runner.num_blocks} blocks x {engine.runner.block_size}, "
+                        f"max_model_len {engine.max_model_len}",
                         f"max_num_batched_tokens: {budget}"
                         + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),
                     ]

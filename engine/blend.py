@@ -55,7 +55,7 @@ def run_prefill(
 
     `prefix_kv` is required when `plan.prefix_cached`; `stream` must deliver, per layer, the
     KV of `plan.streamed_chunks` in that order. `out` (keys, values) [L, H_kv, T, D] receives
-    the prompt's KV (a KV-pool slot); without it the KV is allocated.
+    the prompt's KV; without it the KV is allocated.
     """
     return run_to_end(prefill_steps(ops, plan, prefix_kv, stream, out, StepBudget()))
 

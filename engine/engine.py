@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.blocks import BlockManager
 from engine.chunks import ChunkPrecompute
 from engine.decode import eos_token_ids
 from engine.errors import GenerationCancelled
@@ -26,7 +27,6 @@ from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.shadow import Shadow
-from engine.slots import SlotTable
 from engine.streaming import Generation
 from engine.types import Chunk, GenerateRequest, GenerateResult, PrecomputeResult, StepRecord
 from engine.worker import Worker
@@ -52,11 +52,11 @@ class Engine:
         self.runner = ModelRunner.sized(
             self.ops, opts.max_num_seqs, opts.max_model_len, opts.kv_pool_bytes
         )
-        self.max_model_len = self.runner.slot_tokens
-        slots = SlotTable(self.runner.num_slots, self.max_model_len)
+        self.max_model_len = self.runner.max_model_len
+        blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
         step_tokens = opts.max_num_batched_tokens or batched_tokens_default(loaded.device.type)
         self.scheduler: Scheduler[Job] = Scheduler(
-            slots, opts.max_waiting, opts.max_prefill_tokens, step_tokens
+            blocks, opts.max_num_seqs, opts.max_waiting, opts.max_prefill_tokens, step_tokens
         )
         self._lock = threading.Lock()  # guards the scheduler between callers and the worker
         self._step_listeners: list[Callable[[StepRecord], None]] = []
@@ -130,8 +130,8 @@ class Engine:
         return await self.chunks.aprecompute(chunks)
 
     def layout(self, request: GenerateRequest) -> PromptLayout:
-        """The request's prompt (prompt.request_layout), checked to fit a slot. Tokenizes: seconds
-        for a long prompt, so the service calls it on a thread."""
+        """The request's prompt (prompt.request_layout), checked to fit max_model_len. Tokenizes:
+        seconds for a long prompt, so the service calls it on a thread."""
         return request_layout(self.prompts, request, self.max_model_len)
 
     def prefill(self, request: GenerateRequest, scores: tuple[float, ...] | None = None) -> Prefill:
@@ -142,7 +142,8 @@ class Engine:
     def start(self, request: GenerateRequest, layout: PromptLayout | None = None) -> Generation:
         """Queue a generation; iterate the returned object on the calling event loop. `layout`
         replaces the prompt built from the request's text (benchmarks). Raises QueueFullError
-        when queue and KV pool are full, PromptTooLongError when the prompt exceeds a slot."""
+        when queue and KV pool are full, PromptTooLongError when the prompt plus max_tokens
+        exceed max_model_len."""
         generation = Generation()
         seq = self._submit(request, layout, generation.deliver)
         generation.bind(lambda: self._cancel(seq))

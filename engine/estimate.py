@@ -22,7 +22,7 @@ class QueueEstimate:
     flight: counted whole, an upper bound) at the measured throughput, plus the decodes that
     share the steps: while sequences decode, a step gives prefills at most `step_tokens`, so
     the prompts ahead take ceil(tokens / step_tokens) steps, each with one decode (unbounded:
-    one decode per prompt ahead, and one after the newest). When every KV slot is taken the
+    one decode per prompt ahead, and one after the newest). When the KV pool admits no more the
     request also waits until enough running sequences end, at worst after their remaining
     max_tokens (EOS or a stop string ends them sooner: an upper bound). Before a step of a kind
     was measured it counts as free.
@@ -42,7 +42,7 @@ class QueueEstimate:
             waiting_seqs=len(scheduler.waiting),
             in_flight=len(scheduler.prefilling),
             running_remaining=[s.max_tokens - s.num_output_tokens for s in scheduler.decoding],
-            free_slots=scheduler.slots.num_free,
+            free_seats=scheduler.free_seats(),
             step_tokens=math.inf if budget is None else budget,
         )
 
@@ -62,13 +62,13 @@ class QueueEstimate:
         waiting_tokens: int,
         waiting_seqs: int,
         running_remaining: list[int],
-        free_slots: int,
+        free_seats: int,
         step_tokens: float = math.inf,
         in_flight: int = 0,
     ) -> float:
         """`waiting_tokens`: the prompt tokens of the `waiting_seqs` and of the `in_flight`
-        prefills (which hold slots); `running_remaining`: tokens each decoding sequence may
-        still decode."""
+        prefills (which hold blocks); `running_remaining`: tokens each decoding sequence may
+        still decode; `free_seats`: sequences the pool would start now (Scheduler.free_seats)."""
         prompts_ahead = waiting_seqs + in_flight
         if not prompts_ahead and not running_remaining:
             return 0.0
@@ -77,13 +77,13 @@ class QueueEstimate:
         if running_remaining:
             pieces = prompts_ahead if math.isinf(step_tokens) else waiting_tokens / step_tokens
             interleaved_steps = math.ceil(pieces) + 1
-        # Slots the request needs freed: one for each waiting sequence ahead, one for itself.
-        slots_short = waiting_seqs + 1 - free_slots
-        slot_wait_steps = 0
-        if slots_short > 0 and running_remaining:
+        # Seats the request needs freed: one for each waiting sequence ahead, one for itself.
+        seats_short = waiting_seqs + 1 - free_seats
+        seat_wait_steps = 0
+        if seats_short > 0 and running_remaining:
             ends = sorted(running_remaining)
-            slot_wait_steps = ends[min(slots_short, len(ends)) - 1]
-        decode_steps = max(interleaved_steps, slot_wait_steps)
+            seat_wait_steps = ends[min(seats_short, len(ends)) - 1]
+        decode_steps = max(interleaved_steps, seat_wait_steps)
         return prefill_s + decode_steps * (self.decode_step_s or 0.0)
 
 

@@ -1,10 +1,13 @@
 """Runs one scheduled step on the model: a batched decode of the running sequences, then the
-prefills into KV-pool slots, paused where the step's budget ends. Runs on the worker thread."""
+prefills, paused where the step's budget ends, each copied into its KV blocks once it completes.
+Runs on the worker thread."""
 
 from __future__ import annotations
 
 import logging
 import time
+
+import torch
 
 from engine.budget import StepBudget, advance
 from engine.chunks import ChunkPrecompute
@@ -72,10 +75,11 @@ class Executor:
                 seq.opened = self.prefiller.open_ahead(
                     seq.layout, request.mode, request.recompute_ratio, request.max_recompute_ratio
                 )
-            assert seq.slot is not None
-            out = self.runner.slot_kv(seq.slot, seq.num_prompt_tokens)
+            # No `out`: a prefill in pieces builds the prompt's KV in a buffer of its own
+            # [L, H_kv, n, D] (the blend loop writes it by position over several steps), which
+            # goes into the sequence's blocks once the prefill completes.
             seq.prefill_steps = self.prefiller.request_steps(
-                seq.layout, request, self.budget, out=out, opened=seq.opened
+                seq.layout, request, self.budget, opened=seq.opened
             )
         self.budget.left, self.budget.used = step.prefill_tokens * num_layers, 0
         completed, first_tokens = 0, 0
@@ -116,11 +120,13 @@ class Executor:
         return True
 
     def _accept(self, seq: Job, prefill: Prefill) -> None:
-        """A completed prefill: its KV is in the slot; the first token comes from its logits."""
-        request, num_tokens = seq.request, seq.num_prompt_tokens
-        assert seq.slot is not None and seq.scheduled_s is not None
+        """A completed prefill: its KV goes into the sequence's blocks; the first token comes from
+        its logits."""
+        request, output = seq.request, prefill.output
+        assert seq.lane is not None and seq.scheduled_s is not None
         prefill.prefill_s = time.perf_counter() - seq.scheduled_s
-        seq.prefill, seq.num_cached = prefill, num_tokens
+        self.runner.write_prompt(seq.block_table, output.keys, output.values)
+        seq.prefill, seq.num_cached = prefill, seq.num_prompt_tokens
         self.chunks.write_back(prefill.missing_chunks)
         # Penalised tokens are no greedy continuation that the shadow's full prefill could match.
         seq.shadow = self.shadow.sample(
@@ -128,18 +134,20 @@ class Executor:
             seq.layout.token_ids,
             request.temperature == 0.0 and seq.penalties.neutral,
             prefill.blend.fell_back_to_full_prefill,
-            (prefill.output.keys, prefill.output.values),
+            (output.keys, output.values),
         )
-        logits = prefill.output.logits
+        # The sequence keeps its prefill's report, not the buffer (a sampled shadow holds it).
+        output.keys = output.values = torch.empty(0)
+        logits = output.logits
         if not seq.penalties.neutral:
-            self.runner.penalties.start(seq.slot, seq.layout.token_ids)
+            self.runner.penalties.start(seq.lane, seq.layout.token_ids)
         self.post.accept(seq, self.post.penalised([seq], logits[None])[0], logits)
 
     def decode(self, seqs: list[Job]) -> int:
         """One token for every sequence, as one batch; the tokens fed."""
         try:
             logits = self.runner.decode(
-                [s.slot for s in seqs],  # type: ignore[misc]
+                [s.block_table for s in seqs],
                 [s.num_cached for s in seqs],
                 [s.next_token for s in seqs],  # type: ignore[misc]
             )

@@ -69,7 +69,7 @@ class LayerOps:
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, D] for positions 0..T-1, from the model's own rotary embedding: views
-        of tables built once for the most positions asked (the KV pool asks for a whole slot)."""
+        of tables built once for the most positions asked (the KV pool asks for max_model_len)."""
         if self._rope is None or self._rope[0].shape[0] < num_positions:
             positions = torch.arange(num_positions, device=self.device)[None]
             probe = torch.empty(1, dtype=self.dtype, device=self.device)

@@ -12,14 +12,15 @@ from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, Penalties
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    """`max_num_seqs` sequences run together, each in a KV slot of `max_model_len` positions
-    (default: the model's, at most 8192); `kv_pool_bytes` bounds the pool (default: half the
-    free GPU memory, or a quarter of the available RAM), so fewer slots may fit. Up to
-    `max_waiting` more requests queue beyond the free slots; past that `start()` raises
-    QueueFullError. A step feeds the model at most `max_num_batched_tokens` tokens, one per
-    decoding sequence first; prefills fill the rest and pause where it ends (default:
-    batched_tokens_default()), and within `prefill_decode_ratio` times the measured time of a
-    decode (engine/pacing.py). `shadow` samples blended requests for shadow checks
+    """Up to `max_num_seqs` sequences run together, each of at most `max_model_len` positions
+    (default: the model's, at most 8192), their KV in blocks of 16 positions reserved for prompt
+    plus max_tokens; `kv_pool_bytes` bounds the pool (default: half the free GPU memory, or a
+    quarter of the available RAM; never more than max_num_seqs x max_model_len positions). Up
+    to `max_waiting` more requests queue beyond those the free blocks admit; past that
+    `start()` raises QueueFullError. A step feeds the model at most `max_num_batched_tokens`
+    tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
+    (default: batched_tokens_default()), and within `prefill_decode_ratio` times the measured
+    time of a decode (engine/pacing.py). `shadow` samples blended requests for shadow checks
     (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best

@@ -1,5 +1,6 @@
 """Sampling penalties (engine.types.Penalties) applied to a batch of logits at once, from
-per-slot token counts kept up to date token by token."""
+per-lane token counts kept up to date token by token (a lane: the small id of a running
+sequence, engine/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -11,35 +12,35 @@ from engine.types import Penalties
 
 
 class PenaltyState:
-    """What the penalties of the sequence in each KV slot need: how often each token was
+    """What the penalties of the sequence in each lane need: how often each token was
     generated, and which tokens the prompt holds. Rows are reset when a penalised sequence
-    starts in a slot and are not read for sequences without penalties."""
+    starts in a lane and are not read for sequences without penalties."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
-        # counts: [S, V], float32 so that frequency * counts needs no cast (exact up to 2**24).
-        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.float32, device=device)
-        self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+    def __init__(self, num_lanes: int, vocab_size: int, device: torch.device):
+        # counts: [lanes, V], float32 so that frequency * counts needs no cast (exact up to 2**24).
+        self.counts = torch.zeros(num_lanes, vocab_size, dtype=torch.float32, device=device)
+        self.in_prompt = torch.zeros(num_lanes, vocab_size, dtype=torch.bool, device=device)
         self.device = device
 
-    def start(self, slot: int, prompt_token_ids: Sequence[int]) -> None:
-        """A sequence with penalties begins in `slot`: no output yet, this prompt."""
-        self.counts[slot].zero_()
-        self.in_prompt[slot].zero_()
-        self.in_prompt[slot, torch.tensor(list(prompt_token_ids), device=self.device)] = True
+    def start(self, lane: int, prompt_token_ids: Sequence[int]) -> None:
+        """A sequence with penalties begins in `lane`: no output yet, this prompt."""
+        self.counts[lane].zero_()
+        self.in_prompt[lane].zero_()
+        self.in_prompt[lane, torch.tensor(list(prompt_token_ids), device=self.device)] = True
 
-    def add(self, slot: int, token_id: int) -> None:
-        """The sequence in `slot` generated `token_id`."""
-        self.counts[slot, token_id] += 1.0
+    def add(self, lane: int, token_id: int) -> None:
+        """The sequence in `lane` generated `token_id`."""
+        self.counts[lane, token_id] += 1.0
 
     def apply(
-        self, logits: torch.Tensor, slots: Sequence[int], penalties: Sequence[Penalties]
+        self, logits: torch.Tensor, lanes: Sequence[int], penalties: Sequence[Penalties]
     ) -> torch.Tensor:
-        """Logits [B, V] of the sequences in `slots`, each penalised by its own penalties; the
+        """Logits [B, V] of the sequences in `lanes`, each penalised by its own penalties; the
         same tensor when none has any. Rows without penalties come back bit for bit unchanged
         (x / 1, x * 1 and x - 0 are exact)."""
         if all(p.neutral for p in penalties):
             return logits
-        index = torch.tensor(list(slots), device=logits.device)
+        index = torch.tensor(list(lanes), device=logits.device)
         counts = self.counts[index]  # [B, V]
         generated = counts > 0
         # presence, frequency, repetition: [B, 1]

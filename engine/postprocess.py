@@ -19,8 +19,8 @@ class Postprocessor:
 
     def penalised(self, seqs: list[Job], logits: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] with each sequence's penalties applied, in one batched operation."""
-        slots = [s.slot for s in seqs]
-        return self.penalties.apply(logits, slots, [s.penalties for s in seqs])  # type: ignore[arg-type]
+        lanes = [s.lane for s in seqs]
+        return self.penalties.apply(logits, lanes, [s.penalties for s in seqs])  # type: ignore[arg-type]
 
     def accept(self, seq: Job, logits: torch.Tensor, raw_logits: torch.Tensor) -> None:
         """Sample the next token from the (penalised) logits, hand its text to the consumer, and
@@ -42,7 +42,7 @@ class Postprocessor:
         else:
             seq.next_token = token
             if not seq.penalties.neutral:
-                self.penalties.add(seq.slot, token)  # type: ignore[arg-type]
+                self.penalties.add(seq.lane, token)  # type: ignore[arg-type]
 
     @staticmethod
     def fail(seq: Job, exc: Exception) -> None:

@@ -1,9 +1,5 @@
-"""The model runner: a KV pool sized and allocated once, and one batched decode step for all
-running sequences (prefills write into a slot's view; the blend loop in blend.py runs them).
-
-Pool: keys and values [L, S, H_kv, C, D] for S slots of C positions. A slot's view is the
-prefill's output buffer, and decode writes one position per sequence in place: no per-request
-allocation and no per-token copy of the context.
+"""The model runner: a KV pool of fixed-size blocks sized once, and one batched decode step for
+all running sequences that reads each one's blocks through its block table (engine/blocks.py).
 """
 
 from __future__ import annotations
@@ -13,6 +9,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.blocks import DEFAULT_BLOCK_SIZE
 from engine.layers import LayerOps
 from engine.penalties import PenaltyState
 from kvstore.types import kv_token_bytes
@@ -33,8 +30,8 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def slot_length(ops: LayerOps, requested: int | None) -> int:
-    """Positions per KV slot (`max_model_len`): the setting, within the model's bound."""
+def model_len(ops: LayerOps, requested: int | None) -> int:
+    """Positions per sequence (`max_model_len`): the setting, within the model's bound."""
     limit = ops.max_positions or DEFAULT_MAX_MODEL_LEN
     if requested is None:
         return min(limit, DEFAULT_MAX_MODEL_LEN)
@@ -43,27 +40,32 @@ def slot_length(ops: LayerOps, requested: int | None) -> int:
     return requested
 
 
-def pool_bytes(ops: LayerOps, num_slots: int, slot_tokens: int) -> int:
+def pool_bytes(ops: LayerOps, num_tokens: int) -> int:
     shape = ops.shape
     token_bytes = kv_token_bytes(shape.num_kv_heads, shape.head_dim, ops.dtype, shape.num_layers)
-    return token_bytes * num_slots * slot_tokens
+    return token_bytes * num_tokens
 
 
-def fit_slots(ops: LayerOps, max_num_seqs: int, slot_tokens: int, budget_bytes: int | None) -> int:
-    """How many slots of `slot_tokens` the pool holds: at most `max_num_seqs`, within the budget
-    (default: half the free GPU memory, or a quarter of the available RAM)."""
+def fit_blocks(
+    ops: LayerOps, max_num_seqs: int, max_model_len: int, block_size: int, budget_bytes: int | None
+) -> int:
+    """How many blocks of `block_size` the pool holds: as many as the budget (default: half the
+    free GPU memory, or a quarter of the available RAM), but no more than `max_num_seqs`
+    sequences of `max_model_len` fill (the rest could never be used), and at least one such
+    sequence (else a prompt the engine accepts could never be admitted)."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-    slot_bytes = pool_bytes(ops, 1, slot_tokens)
+    block_bytes = pool_bytes(ops, block_size)
     budget = budget_bytes if budget_bytes is not None else _default_pool_bytes(ops.device)
-    num_slots = min(max_num_seqs, budget // slot_bytes)
-    if num_slots < 1:
+    per_seq = -(-max_model_len // block_size)
+    num_blocks = min(max_num_seqs * per_seq, budget // block_bytes)
+    if num_blocks < per_seq:
+        need = per_seq * block_bytes
         raise ValueError(
             f"the KV pool of {budget / 2**30:.2f} GiB holds no sequence of max_model_len "
-            f"{slot_tokens} ({slot_bytes / 2**30:.2f} GiB): raise the pool or lower "
-            f"max_model_len"
+            f"{max_model_len} ({need / 2**30:.2f} GiB): raise the pool or lower max_model_len"
         )
-    return num_slots
+    return num_blocks
 
 
 def _default_pool_bytes(device: torch.device) -> int:
@@ -73,28 +75,47 @@ def _default_pool_bytes(device: torch.device) -> int:
     return available_ram_bytes() // 4
 
 
+# Per row, a slice of the flattened pool or its rows to gather (`_row_reads`); or, batched, the
+# block table [B, W], key positions [1, T] and causal mask [B, T] (`_batched_reads`).
+Reads = list[slice | torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class ModelRunner:
-    def __init__(self, ops: LayerOps, num_slots: int, slot_tokens: int):
+    """The KV pool as blocks of `block_size` positions and a batched decode that reads each
+    sequence's blocks through its block table (a list of block ids, in position order).
+
+    Pool: keys and values [L, N, block_size, H_kv, D], token-major within a block: a run of
+    consecutive blocks is the sequence's [T, H_kv, D] rows in order, which a transposed view
+    hands to SDPA without a copy, and gathering scattered blocks gives the same rows in one
+    copy (measured on the CPU: 2-3x faster than head-major blocks, whose gather permutes).
+    """
+
+    def __init__(
+        self, ops: LayerOps, num_blocks: int, block_size: int, max_model_len: int, num_lanes: int
+    ):
         self.ops = ops
         shape = ops.shape
-        self.num_slots = num_slots
-        self.slot_tokens = slot_tokens
-        pool_shape = (shape.num_layers, num_slots, shape.num_kv_heads, slot_tokens, shape.head_dim)
-        # Zeros, not empty: padded attention multiplies masked-out values by exactly 0, and
-        # 0 * NaN from uninitialised memory would poison the row.
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        pool_shape = (shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # Zeros, not empty: a padded row multiplies masked-out values by exactly 0, and 0 * NaN
+        # from uninitialised memory would poison it.
         try:
             self.keys = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
             self.values = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            size = pool_bytes(ops, num_slots, slot_tokens) / 2**30
+            size = pool_bytes(ops, num_blocks * block_size) / 2**30
             raise ValueError(
-                f"the KV pool of {num_slots} slots x {slot_tokens} positions ({size:.2f} GiB) "
+                f"the KV pool of {num_blocks} blocks x {block_size} positions ({size:.2f} GiB) "
                 f"does not fit on {ops.device}: lower kv_pool_gb, max_num_seqs or max_model_len"
             ) from exc
-        self.cos, self.sin = ops.rope_tables(slot_tokens)  # [C, D]
+        self.cos, self.sin = ops.rope_tables(max_model_len)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
+        # One SDPA per row over views of its blocks on the CPU (see _attend_rows); one batched
+        # SDPA over gathered blocks elsewhere.
+        self.per_row = ops.device.type == "cpu"
         vocab_size = ops.model.lm_head.weight.shape[0]  # the width of the logits
-        self.penalties = PenaltyState(num_slots, vocab_size, ops.device)
+        # One row per lane: the small id each running sequence holds (engine/scheduler.py).
+        self.penalties = PenaltyState(num_lanes, vocab_size, ops.device)
 
     @classmethod
     def sized(
@@ -103,58 +124,149 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int | None,
         kv_pool_bytes: int | None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> ModelRunner:
-        """A pool of as many slots as fit (`fit_slots`) of `slot_length(max_model_len)`."""
-        slot_tokens = slot_length(ops, max_model_len)
-        return cls(ops, fit_slots(ops, max_num_seqs, slot_tokens, kv_pool_bytes), slot_tokens)
+        """A pool of as many blocks as fit (`fit_blocks`), for `model_len(max_model_len)`."""
+        length = model_len(ops, max_model_len)
+        num_blocks = fit_blocks(ops, max_num_seqs, length, block_size, kv_pool_bytes)
+        return cls(ops, num_blocks, block_size, length, max_num_seqs)
 
-    def slot_kv(self, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [L, H_kv, num_tokens, D] of a slot: where a prefill writes the prompt's KV."""
-        return self.keys[:, slot, :, :num_tokens], self.values[:, slot, :, :num_tokens]
+    def _token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows of the pool flattened to [N * block_size, H_kv, D] that hold `positions`."""
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def write_prompt(self, table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy a prompt's KV [L, H_kv, n, D] into the first blocks of `table`."""
+        device = self.ops.device
+        rows = self._token_rows(
+            torch.tensor(table, device=device), torch.arange(keys.shape[2], device=device)
+        )
+        flat_keys, flat_values = self.keys.flatten(1, 2), self.values.flatten(1, 2)
+        flat_keys[:, rows] = keys.transpose(1, 2)
+        flat_values[:, rows] = values.transpose(1, 2)
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], positions: list[int], token_ids: list[int]) -> torch.Tensor:
-        """Feed token_ids[b] at positions[b] of slot slots[b]; logits [B, vocab] (float32).
+    def decode(
+        self, tables: list[list[int]], positions: list[int], token_ids: list[int]
+    ) -> torch.Tensor:
+        """Feed token_ids[b] at positions[b] of the sequence whose blocks are tables[b]; logits
+        [B, vocab] (float32).
 
-        Slot b must hold the KV of positions 0..positions[b]-1; the new K/V are written at
-        positions[b]. Attention runs once per layer over the slots [0, high) padded to the
-        longest context, each row masked to its own positions (and sliding window).
+        The blocks of row b must hold the KV of positions 0..positions[b]-1; the new K/V are
+        written at positions[b], in place, and each row attends over its own positions (and
+        sliding window): `_attend_rows` on the CPU, `_attend_batched` elsewhere.
         """
-        ops, device = self.ops, self.ops.device
-        shape = ops.shape
-        batch = len(slots)
-        slot_idx = torch.tensor(slots, device=device)
+        ops, device, shape = self.ops, self.ops.device, self.ops.shape
+        batch, size = len(tables), self.block_size
         pos = torch.tensor(positions, device=device)
-        high, num_keys = max(slots) + 1, max(positions) + 1
-        cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
-        key_pos = torch.arange(num_keys, device=device)[None, :]
-        row_pos = torch.zeros(high, dtype=torch.long, device=device)  # idle slots see key 0
-        row_pos[slot_idx] = pos
-        causal = key_pos <= row_pos[:, None]  # [high, T]
-        masks: dict[int | None, torch.Tensor] = {None: causal[:, None, None, :]}
-        # One query per sequence: the G query heads of a KV group attend as G rows over the
-        # same keys, which needs no GQA support from the kernel. Idle slots' rows stay zero.
-        q_rows = torch.zeros(
-            high, shape.num_kv_heads, self.group, shape.head_dim, dtype=ops.dtype, device=device
+        new_rows = torch.tensor(
+            [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)],
+            device=device,
         )
+        reads = self.reads(tables, positions)
+        cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
         h = ops.embed(torch.tensor(token_ids, device=device))  # [B, d]
         for i in range(shape.num_layers):
             q, k, v = ops.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
             q = ops.rotate(q, cos, sin)
             k = ops.rotate(k, cos, sin)
-            self.keys[i][slot_idx, :, pos] = k.transpose(0, 1)
-            self.values[i][slot_idx, :, pos] = v.transpose(0, 1)
-            window = ops.windows[i]
-            if window not in masks:
-                assert window is not None
-                masks[window] = (causal & (key_pos > row_pos[:, None] - window))[:, None, None]
-            q_rows[slot_idx] = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
-            out = F.scaled_dot_product_attention(
-                q_rows,
-                self.keys[i][:high, :, :num_keys],  # [high, H_kv, T, D], a view of the pool
-                self.values[i][:high, :, :num_keys],
-                attn_mask=masks[window],
-                scale=ops.blocks[i].self_attn.scaling,
-            )
-            h = ops.finish_layer(i, h, out[slot_idx].reshape(batch, -1))
+            self.keys[i].flatten(0, 1)[new_rows] = k.transpose(0, 1)
+            self.values[i].flatten(0, 1)[new_rows] = v.transpose(0, 1)
+            # One query per sequence: the G query heads of a KV group attend as G rows over the
+            # same keys, which needs no GQA support from the kernel.
+            q_rows = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
+            out = self.attention(i, q_rows, reads)
+            h = ops.finish_layer(i, h, out.reshape(batch, -1))
         return ops.logits_batch(h)
+
+    def reads(self, tables: list[list[int]], positions: list[int]) -> Reads:
+        """What `attention` reads for rows whose last positions are `positions`."""
+        if self.per_row:
+            return self._row_reads(tables, positions)
+        return self._batched_reads(tables, torch.tensor(positions, device=self.ops.device))
+
+    def attention(self, i: int, q_rows: torch.Tensor, reads: Reads) -> torch.Tensor:
+        """Layer i's attention of queries [B, H_kv, G, D] over each row's keys; [B, H_kv, G, D]."""
+        if isinstance(reads, list):
+            return self._attend_rows(i, q_rows, reads)
+        return self._attend_batched(i, q_rows, *reads)
+
+    def _row_reads(
+        self, tables: list[list[int]], positions: list[int]
+    ) -> list[slice | torch.Tensor]:
+        """Where the keys 0..positions[b] of each row lie in the pool flattened to
+        [N * block_size, H_kv, D]: a slice where its blocks are one run of consecutive ids
+        (read as a view, no copy; admission reserves a sequence's blocks at once, so most are),
+        else the rows to gather."""
+        device = self.ops.device
+        reads: list[slice | torch.Tensor] = []
+        for table, position in zip(tables, positions, strict=True):
+            n = position + 1
+            used = table[: -(-n // self.block_size)]
+            if used == list(range(used[0], used[0] + len(used))):
+                start = used[0] * self.block_size
+                reads.append(slice(start, start + n))
+            else:
+                index = torch.tensor(used, device=device)
+                reads.append(self._token_rows(index, torch.arange(n, device=device)))
+        return reads
+
+    def _attend_rows(
+        self, i: int, q_rows: torch.Tensor, reads: list[slice | torch.Tensor]
+    ) -> torch.Tensor:
+        """Layer i's attention, one SDPA per row over exactly its own keys (no mask, no padding).
+        On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
+        context made the step 2-4x slower at 8K of context (bench/paged_capacity.py)."""
+        keys, values = self.keys[i].flatten(0, 1), self.values[i].flatten(0, 1)
+        window, scale = self.ops.windows[i], self.ops.blocks[i].self_attn.scaling
+        outs = []
+        for q, read in zip(q_rows[:, None], reads, strict=True):
+            # [1, H_kv, n, D] views: 4-D inputs take SDPA's fused CPU kernel (3-D ones measured
+            # 40x slower).
+            k, v = keys[read].transpose(0, 1)[None], values[read].transpose(0, 1)[None]
+            if window is not None:
+                k, v = k[:, :, -window:], v[:, :, -window:]
+            outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0])
+        return torch.stack(outs)  # [B, H_kv, G, D]
+
+    def _batched_reads(
+        self, tables: list[list[int]], pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row's blocks up to the longest context, [B, W] (short tables padded with block
+        0, masked out), the key positions [1, T] and the causal mask [B, T]."""
+        device, size = self.ops.device, self.block_size
+        width = int(pos.max()) // size + 1
+        table = torch.tensor(
+            [t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device
+        )
+        key_pos = torch.arange(width * size, device=device)[None, :]
+        return table, key_pos, key_pos <= pos[:, None]
+
+    def _attend_batched(
+        self,
+        i: int,
+        q_rows: torch.Tensor,
+        table: torch.Tensor,
+        key_pos: torch.Tensor,
+        causal: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer i's attention as one SDPA over the gathered blocks of every row, each row masked
+        to its own positions (and sliding window): one launch per layer, for devices where
+        launches, not copies, bound a decode step (CUDA: not measured against the slot view)."""
+        window, mask = self.ops.windows[i], causal
+        if window is not None:
+            pos = causal.sum(-1, keepdim=True) - 1
+            mask = causal & (key_pos > pos - window)
+        return F.scaled_dot_product_attention(
+            q_rows,
+            gather_blocks(self.keys[i], table),
+            gather_blocks(self.values[i], table),
+            attn_mask=mask[:, None, None],
+            scale=self.ops.blocks[i].self_attn.scaling,
+        )
+
+
+def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, W * block_size, D]: a layer's blocks [N, block_size, H_kv, D] of each row of
+    `table` [B, W], as one copy and a transposed view (what SDPA reads)."""
+    return pool[table].flatten(1, 2).transpose(1, 2)

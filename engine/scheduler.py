@@ -3,20 +3,22 @@
 Every step decodes one token for each sequence whose prompt is cached, and gives the prefills
 in flight what is left of the step's token budget; a prefill that needs more pauses and goes
 on in the next step, so a stream of arrivals never starves the decodes. Waiting sequences are
-admitted into free KV slots once no prefill is in flight. Plain Python: tensors live in the
+admitted, in order, once no prefill is in flight, while the KV pool's free blocks hold their
+prompt plus max_tokens and fewer than max_num_seqs run. Plain Python: tensors live in the
 runner.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from engine.errors import QueueFullError
+from engine.blocks import BlockManager
+from engine.errors import PromptTooLongError, QueueFullError
 from engine.sequence import Sequence, SequenceStatus
-from engine.slots import SlotTable
 
 S = TypeVar("S", bound=Sequence)
 
@@ -59,23 +61,29 @@ class Step(Generic[S]):
 class Scheduler(Generic[S]):
     """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first (None: no
     bound; a step with decodes then runs its prefills whole). `max_prefill_tokens` bounds the
-    prompt tokens admitted in one step (one sequence is always admitted)."""
+    prompt tokens admitted in one step (one sequence is always admitted). A sequence is admitted
+    with the blocks of its prompt plus max_tokens, all reserved at once, so a running sequence
+    never runs out of blocks and nothing is ever preempted; at most `max_num_seqs` run, each
+    holding a lane (0..max_num_seqs-1) that indexes per-sequence rows such as penalties."""
 
     def __init__(
         self,
-        slots: SlotTable,
+        blocks: BlockManager,
+        max_num_seqs: int,
         max_waiting: int,
         max_prefill_tokens: int,
         max_num_batched_tokens: int | None = None,
     ):
-        if max_waiting < 0 or max_prefill_tokens < 1:
+        if max_num_seqs < 1 or max_waiting < 0 or max_prefill_tokens < 1:
             raise ValueError(
-                f"need max_waiting >= 0 and max_prefill_tokens >= 1, got "
-                f"{max_waiting} and {max_prefill_tokens}"
+                f"need max_num_seqs >= 1, max_waiting >= 0 and max_prefill_tokens >= 1, got "
+                f"{max_num_seqs}, {max_waiting} and {max_prefill_tokens}"
             )
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_batched_tokens >= 1, got {max_num_batched_tokens}")
-        self.slots = slots
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self._free_lanes = list(range(max_num_seqs))  # a heap: the lowest lane comes out first
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,7 +93,7 @@ class Scheduler(Generic[S]):
 
     @property
     def running(self) -> list[S]:
-        """Every sequence that holds a KV slot."""
+        """Every sequence that holds KV blocks and a lane."""
         return [*self.prefilling, *self.decoding]
 
     @property
@@ -93,16 +101,45 @@ class Scheduler(Generic[S]):
         return bool(self.waiting or self.prefilling or self.decoding)
 
     def add(self, seq: S) -> None:
-        """Queue `seq`; raises QueueFullError when the queue and the KV pool are both full.
-        The engine refuses a sequence longer than a slot before it gets here."""
-        assert seq.max_positions <= self.slots.slot_tokens, "longer than a KV slot"
-        # Waiting sequences that free slots will take at the next step do not count as queued.
-        if len(self.waiting) >= self.max_waiting + self.slots.num_free:
+        """Queue `seq`; raises QueueFullError when `max_waiting` sequences already wait beyond
+        those the free blocks and lanes admit at the next step, PromptTooLongError when its
+        prompt plus max_tokens exceed the whole pool (the engine refuses a sequence longer than
+        max_model_len before it gets here, and the pool holds at least one of those)."""
+        if self.blocks.blocks_for(seq.max_positions) > self.blocks.num_blocks:
+            raise PromptTooLongError(
+                f"{seq.max_positions} positions need more than the KV pool's "
+                f"{self.blocks.num_blocks} blocks of {self.blocks.block_size}"
+            )
+        if len(self.waiting) - self.num_admissible() >= self.max_waiting:
             raise QueueFullError(
-                f"{len(self.waiting)} requests wait and all {self.slots.num_slots} KV slots are "
-                f"in use"
+                f"{len(self.waiting)} requests wait and the KV pool ({self.blocks.num_free_blocks} "
+                f"of {self.blocks.num_blocks} blocks free, {len(self._free_lanes)} of "
+                f"{self.max_num_seqs} sequences) admits no more of them"
             )
         self.waiting.append(seq)
+
+    def num_admissible(self) -> int:
+        """How many waiting sequences, in order, the free blocks and lanes would admit now."""
+        return self._fit()[0]
+
+    def free_seats(self) -> int:
+        """Sequences that could start now: the waiting ones the pool admits, and one arrival of
+        unknown length if every waiting one is admitted (none ahead of it is held up) and a
+        lane and a block are left after them."""
+        count, blocks_left = self._fit()
+        room = count == len(self.waiting) and count < len(self._free_lanes) and blocks_left > 0
+        return count + room
+
+    def _fit(self) -> tuple[int, int]:
+        """(waiting sequences admitted in order by the free blocks and lanes, blocks left)."""
+        blocks, lanes, count = self.blocks.num_free_blocks, len(self._free_lanes), 0
+        for seq in self.waiting:
+            need = self.blocks.blocks_for(seq.max_positions)
+            if need > blocks or count == lanes:
+                break
+            blocks -= need
+            count += 1
+        return count, blocks
 
     def schedule(self) -> Step[S]:
         """The next step: every sequence whose prompt is cached decodes; the prefills in flight
@@ -116,28 +153,35 @@ class Scheduler(Generic[S]):
         return Step(list(self.decoding), list(self.prefilling), self.max_num_batched_tokens)
 
     def _admit(self) -> list[S]:
-        """Waiting sequences into free slots, in order, within max_prefill_tokens."""
+        """Waiting sequences, in order, while their blocks and a lane are free, within
+        max_prefill_tokens; each gets the blocks of its prompt plus max_tokens."""
         batch: list[S] = []
         budget = self.max_prefill_tokens
-        while self.waiting and self.slots.num_free:
+        while self.waiting and self._free_lanes:
             seq = self.waiting[0]
             if batch and seq.num_prompt_tokens > budget:
                 break
+            if not self.blocks.can_allocate(seq.max_positions):
+                break  # first come, first served: no later, smaller sequence overtakes it
             self.waiting.popleft()
-            seq.slot = self.slots.allocate()
+            seq.block_table = self.blocks.allocate(seq.seq_id, seq.max_positions)
+            seq.lane = heapq.heappop(self._free_lanes)
             seq.status = SequenceStatus.RUNNING
             budget -= seq.num_prompt_tokens
             batch.append(seq)
         return batch
 
     def finish(self, seq: S) -> None:
-        """Take `seq` out of the queues and free its slot at once (done, failed or cancelled)."""
+        """Take `seq` out of the queues and free its blocks and lane at once (done, failed or
+        cancelled)."""
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
             (self.prefilling if seq in self.prefilling else self.decoding).remove(seq)
-            assert seq.slot is not None
-            self.slots.release(seq.slot)
+            assert seq.lane is not None
+            self.blocks.free(seq.seq_id)
+            heapq.heappush(self._free_lanes, seq.lane)
+            seq.block_table, seq.lane = [], None
         seq.status = SequenceStatus.FINISHED
 
     def finish_done(self, seqs: list[S]) -> list[S]:

@@ -1,4 +1,4 @@
-"""What the scheduler sees of a request: token counts, its KV slot and its status. Plain data,
+"""What the scheduler sees of a request: token counts, its KV blocks and its status. Plain data,
 no runtime objects; the engine's full view of a request is `Job` (engine/job.py)."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class Sequence:
     max_tokens: int
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None
-    num_cached: int = 0  # positions whose KV is in the slot
+    lane: int | None = None  # a small id while running: its row of per-sequence state
+    block_table: list[int] = field(default_factory=list)  # its KV blocks while running
+    num_cached: int = 0  # positions whose KV is in its blocks
     num_output_tokens: int = 0  # tokens handed to the consumer
     next_token: int | None = None  # sampled, not yet fed to the model
     finish_reason: str | None = None

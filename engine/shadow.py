@@ -70,7 +70,7 @@ class ShadowConfig:
 @dataclass
 class ShadowSample:
     """What a sampled request's blended prefill gave: its prompt KV `kv` ([L, H_kv, prompt, D]
-    each: views of its KV slot until `Shadow.submit` copies them to the host), its first
+    each: its prefill's own buffer until `Shadow.submit` copies them to the host), its first
     logits and, when it decodes greedily, its first tokens (EOS included). Filled on the engine
     thread while it runs."""
 
@@ -148,7 +148,7 @@ class Shadow:
     """Samples requests, queues their checks and runs them a piece at a time.
 
     Every method runs on the engine's worker thread: `sample` when a prefill is done, `submit`
-    when the request has finished (before its KV slot is used again), `preempt` when client
+    when the request has finished (before its KV blocks are used again), `preempt` when client
     work needs a step, `run_piece` when the worker has nothing else to do and after every
     `every_steps` steps under load.
     """
@@ -188,7 +188,7 @@ class Shadow:
     ) -> ShadowSample | None:
         """A sample to fill while the request decodes, for `fraction` of the eligible requests:
         a reuse mode that did reuse (a cacheblend fallback computed everything but the cached
-        prefix). `kv` is the prompt's KV as the prefill left it in the request's slot."""
+        prefix). `kv` is the prompt's KV as the prefill built it."""
         if mode not in SAMPLED_MODES or fell_back:
             return None
         self.stats.eligible[mode] += 1
@@ -215,7 +215,7 @@ class Shadow:
             self._skip("memory")
         else:
             keys, values = sample.kv
-            # The slot is the next request's once this step is over: the check keeps a copy.
+            # The check keeps a host copy: the device buffer goes with the request.
             sample.kv = (keys.to("cpu", copy=True), values.to("cpu", copy=True))
             self._reserved[id(sample)] = need
             self._queue.append(sample)

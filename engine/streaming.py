@@ -13,7 +13,7 @@ class Generation:
     """Events of one generation: TokenDeltas, then the GenerateResult (or an exception).
 
     Create and iterate it on one event loop; `deliver` may be called from any thread.
-    `cancel()` (or leaving the loop early) frees the sequence's KV slot at the next step.
+    `cancel()` (or leaving the loop early) frees the sequence's KV blocks at the next step.
     """
 
     def __init__(self) -> None:

@@ -274,15 +274,16 @@ class _LiveState:
             "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
         )
         background.add_metric([], engine.worker.waiting_background)
-        slots = engine.scheduler.slots
+        blocks = engine.scheduler.blocks
         pool_usage = GaugeMetricFamily(
-            "ragblend_engine_kv_pool_usage_ratio", "Fraction of the KV pool's slots in use"
+            "ragblend_engine_kv_pool_usage_ratio", "Fraction of the KV pool's blocks in use"
         )
-        pool_usage.add_metric([], slots.num_used / slots.num_slots)
-        pool_slots = GaugeMetricFamily(
-            "ragblend_engine_kv_pool_slots", "KV pool slots (sequences that can run at once)"
+        pool_usage.add_metric([], 1 - blocks.num_free_blocks / blocks.num_blocks)
+        pool_blocks = GaugeMetricFamily(
+            "ragblend_engine_kv_pool_blocks",
+            f"KV pool blocks (of {blocks.block_size} positions each)",
         )
-        pool_slots.add_metric([], slots.num_slots)
+        pool_blocks.add_metric([], blocks.num_blocks)
         stats = engine.store.stats()
         entries = GaugeMetricFamily(
             "ragblend_engine_store_entries", "KV entries by tier", labels=["tier"]
@@ -315,7 +316,7 @@ class _LiveState:
             "Expected wait before a request arriving now starts its prefill",
         )
         queue_estimate.add_metric([], engine.queue_estimate_s())
-        yield from (running, waiting, background, pool_usage, pool_slots, entries, size, corrupt)
+        yield from (running, waiting, background, pool_usage, pool_blocks, entries, size, corrupt)
         yield from (write_failures, queue_estimate)
 
     @staticmethod

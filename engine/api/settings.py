@@ -86,7 +86,9 @@ class EngineSettings(BaseSettings):
         0.1, ge=0, le=0.5, description="share of the free GPU memory the gpu tier may use"
     )
     queue_depth: int = Field(
-        16, ge=0, description="requests that may wait beyond the free KV slots; then 429"
+        16,
+        ge=0,
+        description="requests that may wait beyond those the free KV blocks admit; then 429",
     )
     max_num_seqs: int = Field(
         16, ge=1, le=4096, description="sequences decoded together in one batch"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
+from engine.blocks import BlockManager
 from engine.engine import Engine
 from engine.scheduler import MIN_PREFILL_TOKENS
 from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord
@@ -25,18 +26,21 @@ def request(chunks, **overrides) -> GenerateRequest:
     return GenerateRequest(**{**values, **overrides})
 
 
-def prefill_into_slot(engine, slot: int, req: GenerateRequest) -> tuple[int, int]:
-    """Prefill `req` into `slot`; its first greedy token and the position it goes to."""
+def prefill_into_blocks(engine, table: list[int], req: GenerateRequest) -> tuple[int, int]:
+    """Prefill `req` into the blocks of `table`; its first greedy token and the position it
+    goes to."""
     layout = engine.layout(req)
-    out = engine.runner.slot_kv(slot, layout.num_tokens)
-    prefill = engine.prefiller.prefill(layout, req.mode, req.recompute_ratio, out)
+    prefill = engine.prefiller.prefill(layout, req.mode, req.recompute_ratio)
+    engine.runner.write_prompt(table, prefill.output.keys, prefill.output.values)
     return int(prefill.output.logits.argmax()), layout.num_tokens
 
 
-def decode_alone(engine, slot: int, token: int, position: int, steps: int) -> list[torch.Tensor]:
+def decode_alone(
+    engine, table: list[int], token: int, position: int, steps: int
+) -> list[torch.Tensor]:
     logits = []
     for _ in range(steps):
-        row = engine.runner.decode([slot], [position], [token])[0]
+        row = engine.runner.decode([table], [position], [token])[0]
         logits.append(row)
         token, position = int(row.argmax()), position + 1
     return logits
@@ -94,15 +98,17 @@ def test_each_sequence_of_a_batch_decodes_what_it_decodes_alone(engine_for, make
         request(long_chunks[1:4], mode=Mode.PREFIX_CACHE),
     ]
     steps = 6
-    slots = [0, 1, 2, 3]
+    # Blocks of the engine's own pool, which nothing else uses while this test runs.
+    pool = BlockManager(engine.runner.num_blocks, engine.runner.block_size)
+    tables = [pool.allocate(i, engine.max_model_len) for i in range(len(requests))]
     # Alone: each request prefilled and decoded by itself, as a batch of one.
     alone = []
-    for slot, req in zip(slots, requests, strict=True):
-        token, position = prefill_into_slot(engine, slot, req)
-        alone.append(decode_alone(engine, slot, token, position, steps))
+    for table, req in zip(tables, requests, strict=True):
+        token, position = prefill_into_blocks(engine, table, req)
+        alone.append(decode_alone(engine, table, token, position, steps))
 
     # Batched: 0 and 1 start, 2 joins after two steps, 3 after three, 1 leaves after four;
-    # their slots are refilled from scratch first.
+    # their blocks are refilled from scratch first.
     joins = {0: [0, 1], 2: [2], 3: [3]}
     leaves = {4: [1]}
     state: dict[int, tuple[int, int]] = {}
@@ -110,14 +116,14 @@ def test_each_sequence_of_a_batch_decodes_what_it_decodes_alone(engine_for, make
     step = 0
     while any(done[i] < steps for i in state) or step in joins or not state:
         for i in joins.get(step, []):
-            state[i] = prefill_into_slot(engine, slots[i], requests[i])
+            state[i] = prefill_into_blocks(engine, tables[i], requests[i])
         for i in leaves.get(step, []):
             state.pop(i)
         live = [i for i in state if done[i] < steps]
         if not live:
             break
         logits = engine.runner.decode(
-            [slots[i] for i in live], [state[i][1] for i in live], [state[i][0] for i in live]
+            [tables[i] for i in live], [state[i][1] for i in live], [state[i][0] for i in live]
         )
         for i, row in zip(live, logits, strict=True):
             assert_same_step(row, alone[i][done[i]])
@@ -149,7 +155,7 @@ def test_concurrent_requests_get_the_tokens_they_get_one_at_a_time(engine_for, m
     assert asyncio.run(together()) == one_at_a_time
 
 
-def test_a_prompt_longer_than_a_slot_is_refused_before_queueing(engine_for):
+def test_a_prompt_longer_than_max_model_len_is_refused_before_queueing(engine_for):
     engine = engine_for("llama")
     too_long = request((), max_tokens=engine.max_model_len)
     with pytest.raises(ValueError, match="maximum of"):

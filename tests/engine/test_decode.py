@@ -132,7 +132,7 @@ def test_async_stream_yields_deltas_that_add_up_to_the_result(engine_for, make_c
     assert result.text == expected.text
 
 
-def test_cancelling_a_generation_stops_it_and_frees_its_kv_slot(engine_for, make_chunks):
+def test_cancelling_a_generation_stops_it_and_frees_its_kv_blocks(engine_for, make_chunks):
     engine = engine_for("llama")
     long = request(make_chunks(1, seed=10), max_tokens=50, ignore_eos=True)
 
@@ -149,9 +149,10 @@ def test_cancelling_a_generation_stops_it_and_frees_its_kv_slot(engine_for, make
     produced = asyncio.run(two_deltas_then_cancel())
     assert len(produced) == 2 and all(isinstance(e, TokenDelta) for e in produced)
     deadline = time.monotonic() + 10
-    while engine.scheduler.slots.num_used and time.monotonic() < deadline:
+    blocks = engine.scheduler.blocks
+    while blocks.num_free_blocks < blocks.num_blocks and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.scheduler.slots.num_used == 0 and not engine.scheduler.running
+    assert blocks.num_free_blocks == blocks.num_blocks and not engine.scheduler.running
 
 
 @pytest.mark.parametrize("temperature", [1.79e-246, 5e-324, 1e-30])

@@ -25,14 +25,14 @@ def measured(prefill_tokens_per_s: float = 1000.0, decode_step_s: float = 0.01) 
 
 def test_an_idle_engine_has_no_wait():
     assert (
-        measured().wait_s(waiting_tokens=0, waiting_seqs=0, running_remaining=[], free_slots=4)
+        measured().wait_s(waiting_tokens=0, waiting_seqs=0, running_remaining=[], free_seats=4)
         == 0.0
     )
 
 
 def test_prompts_waiting_ahead_cost_their_prefill_and_the_decode_steps_between():
     wait = measured().wait_s(
-        waiting_tokens=2000, waiting_seqs=2, running_remaining=[50], free_slots=3
+        waiting_tokens=2000, waiting_seqs=2, running_remaining=[50], free_seats=3
     )
     # 2 s of prefill, then a decode step after each of the 2 prefills and after the newest.
     assert wait == pytest.approx(2.0 + 3 * 0.01)
@@ -44,7 +44,7 @@ def test_under_a_step_token_budget_the_prompts_ahead_share_one_step_per_piece_wi
         waiting_seqs=1,
         in_flight=1,
         running_remaining=[50],
-        free_slots=3,
+        free_seats=3,
         step_tokens=500,
     )
     # 2 s of prefill in 4 pieces of 500 tokens, each step with a decode, and one after them.
@@ -60,9 +60,9 @@ def test_a_prefill_in_pieces_counts_towards_throughput_once_it_completes():
     assert estimate.decode_step_s == pytest.approx(0.01)
 
 
-def test_with_every_slot_taken_the_request_waits_for_a_running_sequence_to_end():
+def test_with_every_seat_taken_the_request_waits_for_a_running_sequence_to_end():
     wait = measured().wait_s(
-        waiting_tokens=0, waiting_seqs=0, running_remaining=[300, 120], free_slots=0
+        waiting_tokens=0, waiting_seqs=0, running_remaining=[300, 120], free_seats=0
     )
     assert wait == pytest.approx(120 * 0.01)
 
@@ -70,7 +70,7 @@ def test_with_every_slot_taken_the_request_waits_for_a_running_sequence_to_end()
 def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
     estimate = QueueEstimate()
     assert (
-        estimate.wait_s(waiting_tokens=500, waiting_seqs=1, running_remaining=[10], free_slots=1)
+        estimate.wait_s(waiting_tokens=500, waiting_seqs=1, running_remaining=[10], free_seats=1)
         == 0.0
     )
     estimate.observe(decode_step(0.01, batch=1))

@@ -29,12 +29,12 @@ def reference(
 
 
 def state_with(histories: list[tuple[list[int], list[int]]]) -> PenaltyState:
-    """A state whose slot i holds the (prompt, output) of histories[i], token by token."""
+    """A state whose lane i holds the (prompt, output) of histories[i], token by token."""
     state = PenaltyState(len(histories), VOCAB, torch.device("cpu"))
-    for slot, (prompt, output) in enumerate(histories):
-        state.start(slot, prompt)
+    for lane, (prompt, output) in enumerate(histories):
+        state.start(lane, prompt)
         for token in output:
-            state.add(slot, token)
+            state.add(lane, token)
     return state
 
 
@@ -78,7 +78,7 @@ def test_a_batch_without_penalties_is_returned_untouched():
     assert state.apply(logits, [0], [NO_PENALTIES]) is logits
 
 
-def test_starting_a_slot_forgets_the_previous_sequence():
+def test_starting_a_lane_forgets_the_previous_sequence():
     state = state_with([([1, 2], [3, 3])])
     state.start(0, [5])
     logits = torch.ones(1, VOCAB)

@@ -1,6 +1,6 @@
-"""The scheduler and the slot table: admission by free KV slots and a prefill token budget,
-every step decodes first and prefills in what its token budget leaves, 429 only when queue and
-pool are full, slots freed at once."""
+"""The scheduler: admission by free KV blocks (prompt plus max_tokens) and lanes within a prefill
+token budget, every step decodes first and prefills in what its token budget leaves, 429 only
+when queue and pool are full, blocks and lanes freed at once."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import math
 
 import pytest
 
-from engine.errors import QueueFullError
+from engine.blocks import BlockManager
+from engine.errors import PromptTooLongError, QueueFullError
 from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.slots import SlotTable
+
+BLOCK = 16
 
 
 def seq(prompt_tokens: int, max_tokens: int = 4) -> Sequence:
@@ -19,9 +21,15 @@ def seq(prompt_tokens: int, max_tokens: int = 4) -> Sequence:
 
 
 def scheduler(
-    slots: int = 2, max_waiting: int = 1, budget: int = 100, step_tokens: int | None = 32
+    slots: int = 2,
+    max_waiting: int = 1,
+    budget: int = 100,
+    step_tokens: int | None = 32,
+    blocks: int | None = None,
 ) -> Scheduler:
-    return Scheduler(SlotTable(slots, 64), max_waiting, budget, step_tokens)
+    """`slots` lanes (max_num_seqs) over a pool of `blocks` (default: 64 positions per lane)."""
+    pool = BlockManager(blocks if blocks is not None else 4 * slots, BLOCK)
+    return Scheduler(pool, slots, max_waiting, budget, step_tokens)
 
 
 def prefilled(*seqs: Sequence) -> None:
@@ -30,26 +38,70 @@ def prefilled(*seqs: Sequence) -> None:
         x.num_cached = x.num_prompt_tokens
 
 
-def test_the_lowest_free_slot_is_handed_out_first():
-    table = SlotTable(4, 16)
-    assert [table.allocate() for _ in range(3)] == [0, 1, 2]
-    table.release(1)
-    assert table.allocate() == 1
-    table.release(0)
-    assert table.allocate() == 0 and table.num_free == 1
-    table.allocate()
-    with pytest.raises(RuntimeError, match="no free KV slot"):
-        table.allocate()
+def test_the_lowest_free_lane_is_handed_out_first():
+    s = scheduler(slots=3, max_waiting=3)
+    a, b, c, d = seq(10), seq(10), seq(10), seq(10)
+    for x in (a, b, c):
+        s.add(x)
+    s.schedule()
+    assert (a.lane, b.lane, c.lane) == (0, 1, 2)
+    prefilled(a, b, c)
+    s.finish(b)
+    s.add(d)
+    s.schedule()
+    assert d.lane == 1 and b.lane is None
 
 
-def test_waiting_sequences_are_admitted_while_slots_are_free():
+def test_waiting_sequences_are_admitted_while_lanes_are_free():
     s = scheduler(slots=2, max_waiting=2)
     a, b, c = seq(10), seq(10), seq(10)
     for x in (a, b, c):
         s.add(x)
     step = s.schedule()
-    assert step.prefills == [a, b] and not step.decodes and (a.slot, b.slot) == (0, 1)
+    assert step.prefills == [a, b] and not step.decodes and (a.lane, b.lane) == (0, 1)
     assert list(s.waiting) == [c] and c.status is SequenceStatus.WAITING
+
+
+def test_admission_reserves_the_blocks_of_prompt_plus_max_tokens():
+    s = scheduler(slots=8, max_waiting=8, budget=1000, blocks=10)
+    a, b, c = seq(40, max_tokens=8), seq(60, max_tokens=20), seq(17, max_tokens=0)
+    for x in (a, b, c):
+        s.add(x)
+    s.schedule()
+    # 48, 80 and 17 positions: 3, 5 and 2 blocks, disjoint, and the pool is full.
+    assert [len(x.block_table) for x in (a, b, c)] == [3, 5, 2]
+    assert len({*a.block_table, *b.block_table, *c.block_table}) == 10
+    assert s.blocks.num_free_blocks == 0
+
+
+def test_admission_is_by_free_blocks_not_lanes():
+    s = scheduler(slots=8, max_waiting=8, blocks=6)
+    long, short, later = seq(60, max_tokens=20), seq(10), seq(10)  # 5, 1 and 1 blocks
+    for x in (long, short, later):
+        s.add(x)
+    assert s.schedule().prefills == [long, short]  # lanes are free, blocks are not
+    assert list(s.waiting) == [later] and later.lane is None and not later.block_table
+    prefilled(long, short)
+    s.finish(long)
+    assert s.schedule().prefills == [later] and s.blocks.num_free_blocks == 4
+
+
+def test_a_waiting_sequence_that_does_not_fit_is_not_overtaken():
+    s = scheduler(slots=8, max_waiting=8, blocks=6)
+    first, big, small = seq(40, max_tokens=8), seq(60, max_tokens=4), seq(10)  # 3, 4, 1 blocks
+    for x in (first, big, small):
+        s.add(x)
+    assert s.schedule().prefills == [first]
+    prefilled(first)
+    assert not s.schedule().prefills and list(s.waiting) == [big, small]
+
+
+def test_a_sequence_longer_than_the_whole_pool_is_refused():
+    s = scheduler(slots=2, max_waiting=2, blocks=4)
+    with pytest.raises(PromptTooLongError, match="more than the KV pool's 4 blocks"):
+        s.add(seq(60, max_tokens=5))  # 65 positions: 5 blocks
+    s.add(seq(60, max_tokens=4))  # 64: the whole pool
+    assert len(s.waiting) == 1
 
 
 def test_with_nothing_decoding_the_prefills_of_a_step_run_whole():
@@ -80,7 +132,7 @@ def test_no_sequence_is_admitted_while_a_prefill_is_in_flight():
     s.schedule()
     s.add(b)
     step = s.schedule()  # a paused at the end of the last step: it goes on, b waits
-    assert step.prefills == [a] and list(s.waiting) == [b] and b.slot is None
+    assert step.prefills == [a] and list(s.waiting) == [b] and b.lane is None
     prefilled(a)
     assert s.schedule().prefills == [b]
 
@@ -120,24 +172,35 @@ def test_the_prefill_token_budget_bounds_admission_but_always_admits_one():
 
 def test_a_full_queue_and_a_full_pool_refuse_a_new_sequence():
     s = scheduler(slots=1, max_waiting=1)
-    s.add(seq(10))  # will take the free slot at the next step
+    s.add(seq(10))  # will take the free lane at the next step
     s.add(seq(10))  # waits: the queue has room for one
-    with pytest.raises(QueueFullError, match="all 1 KV slots are in use"):
+    full = r"2 requests wait and the KV pool \(4 of 4 blocks free, 1 of 1 sequences\)"
+    with pytest.raises(QueueFullError, match=full):
         s.add(seq(10))
     s.schedule()
     with pytest.raises(QueueFullError):
         s.add(seq(10))
 
 
-def test_finishing_a_sequence_frees_its_slot_for_the_next():
+def test_a_full_pool_of_blocks_with_free_lanes_refuses_beyond_the_queue():
+    s = scheduler(slots=4, max_waiting=1, blocks=4)
+    s.add(seq(60, max_tokens=4))  # the whole pool
+    s.add(seq(10))  # waits: the queue has room for one
+    s.schedule()  # the first takes every block; three lanes stay free
+    with pytest.raises(QueueFullError, match="0 of 4 blocks free, 3 of 4 sequences"):
+        s.add(seq(10))
+
+
+def test_finishing_a_sequence_frees_its_blocks_and_lane_for_the_next():
     s = scheduler(slots=1, max_waiting=1)
     a, b = seq(10), seq(10)
     s.add(a)
     s.add(b)
     s.schedule()
     s.finish(a)  # while it prefills
-    assert a.status is SequenceStatus.FINISHED and s.slots.num_free == 1 and not s.running
-    assert s.schedule().prefills == [b] and b.slot == 0
+    assert a.status is SequenceStatus.FINISHED and s.blocks.num_free_blocks == 4
+    assert not s.running and a.lane is None and not a.block_table
+    assert s.schedule().prefills == [b] and b.lane == 0
 
 
 def test_a_waiting_sequence_can_be_finished_before_it_runs():
@@ -147,4 +210,4 @@ def test_a_waiting_sequence_can_be_finished_before_it_runs():
     s.add(b)
     s.schedule()
     s.finish(b)
-    assert not s.waiting and s.slots.num_used == 1
+    assert not s.waiting and s.blocks.num_free_blocks == 3

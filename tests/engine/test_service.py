@@ -337,7 +337,9 @@ def test_concurrent_streams_interleave_token_by_token(batching_service):
         decode_steps = metric_value(client, "ragblend_engine_batch_size_count", step="decode")
         single = metric_value(client, "ragblend_engine_batch_size_bucket", step="decode", le="1.0")
         assert decode_steps - single >= 10  # decode steps that carried both sequences
-        assert metric_value(client, "ragblend_engine_kv_pool_slots") == 4
+        # The pool holds max_num_seqs sequences of max_model_len in blocks of 16, no more.
+        model_len = client.get("/health").json()["max_model_len"]
+        assert metric_value(client, "ragblend_engine_kv_pool_blocks") == 4 * -(-model_len // 16)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,190 @@
+"""Paged KV against fixed slots: concurrent sequences for the same pool bytes (counted with the
+engine's BlockManager and Scheduler admission), and the CPU decode step time of both.
+
+1. Capacity. A pool of `--slots` slots of max_model_len 8192 (what fixed slots admit at once,
+   whatever the prompts) cut into 16-token blocks instead; prompts drawn from 256 to 8192
+   tokens, uniform and log-uniform, each with `max_tokens` output reserved (capped so prompt
+   plus output fit 8192). The scheduler admits the queued sequences FIFO while their blocks
+   are free; the count is the mean over `--trials` draws.
+2. Decode step. One batched decode step through block tables (engine/runner.py), its per-row
+   attention over views of the blocks (the CPU's) and its batched one over gathered blocks,
+   against the slot decode it replaced (tests/engine/slot_reference.py), same model, batch
+   and context, timed round-robin; every sequence's blocks are one run, as admission
+   reserves them in an unfragmented pool. Prints tables; writes bench/results/paged_capacity.csv and
+   paged_decode-cpu.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the reference in tests/
+
+from harness import SHAPES, build_model, interleaved_medians  # noqa: E402
+
+from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager  # noqa: E402
+from engine.layers import LayerOps  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+from engine.scheduler import Scheduler  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+from kvstore.types import kv_token_bytes  # noqa: E402
+from tests.engine.slot_reference import SlotPool  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL_LEN = 8192
+MIN_PROMPT = 256
+
+
+def draw_prompt(rng: random.Random, distribution: str) -> int:
+    if distribution == "uniform":
+        return rng.randint(MIN_PROMPT, MODEL_LEN)
+    return round(math.exp(rng.uniform(math.log(MIN_PROMPT), math.log(MODEL_LEN))))
+
+
+def admitted(num_blocks: int, prompts: list[int], max_tokens: int) -> int:
+    """Sequences the scheduler admits at once into an empty pool of `num_blocks`."""
+    blocks = BlockManager(num_blocks, DEFAULT_BLOCK_SIZE)
+    # Lanes, queue and prefill budget as large as the draw: only the blocks bound admission.
+    scheduler: Scheduler[Sequence] = Scheduler(
+        blocks, max_num_seqs=len(prompts), max_waiting=len(prompts), max_prefill_tokens=sum(prompts)
+    )
+    for prompt in prompts:
+        scheduler.add(
+            Sequence(num_prompt_tokens=min(prompt, MODEL_LEN - max_tokens), max_tokens=max_tokens)
+        )
+    scheduler.schedule()
+    return len(scheduler.running)
+
+
+def capacity(args: argparse.Namespace) -> list[dict]:
+    """Concurrent sequences for the pool of `args.slots` slots, per distribution and output."""
+    num_blocks = args.slots * MODEL_LEN // DEFAULT_BLOCK_SIZE
+    rows = []
+    for distribution in ("uniform", "log-uniform"):
+        for max_tokens in args.max_tokens:
+            rng = random.Random(0)
+            counts, means = [], []
+            for _ in range(args.trials):
+                # More than can fit, so that admission stops at the pool, not the queue.
+                prompts = [draw_prompt(rng, distribution) for _ in range(40 * args.slots)]
+                counts.append(admitted(num_blocks, prompts, max_tokens))
+                means.append(sum(prompts[: counts[-1]]) / counts[-1])
+            paged = sum(counts) / len(counts)
+            rows.append(
+                {
+                    "distribution": distribution,
+                    "max_tokens": max_tokens,
+                    "pool_tokens": num_blocks * DEFAULT_BLOCK_SIZE,
+                    "fixed_slots": args.slots,
+                    "paged_sequences": paged,
+                    "paged_min": min(counts),
+                    "ratio": paged / args.slots,
+                    "mean_prompt": sum(means) / len(means),
+                }
+            )
+    return rows
+
+
+def decode_times(args: argparse.Namespace) -> list[dict]:
+    """One decode step, paged and slot view, per (batch, context)."""
+    loaded = build_model(args.shape, "cpu", args.dtype)
+    ops = LayerOps(loaded.model)
+    most, model_len = max(args.batches), max(args.contexts) + 1
+    per_seq = -(-model_len // DEFAULT_BLOCK_SIZE)
+    paged = ModelRunner(ops, most * per_seq, DEFAULT_BLOCK_SIZE, model_len, most)
+    slots = SlotPool(ops, most, model_len)
+    pool = BlockManager(paged.num_blocks, DEFAULT_BLOCK_SIZE)
+    tables = [pool.allocate(b, model_len) for b in range(most)]
+    rng = random.Random(0)
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            tokens = [rng.randrange(1000, 30000) for _ in range(batch)]
+            positions = [context] * batch
+            paged_step = partial(paged.decode, tables[:batch], positions, tokens)
+            cases = {
+                "paged": (paged_step, partial(setattr, paged, "per_row", True)),
+                "paged_batched": (paged_step, partial(setattr, paged, "per_row", False)),
+                "slot": (partial(slots.decode, list(range(batch)), positions, tokens), _nothing),
+            }
+            times = interleaved_medians(cases, args.repeats, loaded.device)
+            row = {"batch": batch, "context": context}
+            row.update({f"{name}_step_s": times[name][0] for name in cases})
+            row["paged_vs_slot"] = row["paged_step_s"] / row["slot_step_s"]
+            row["paged_batched_vs_slot"] = row["paged_batched_step_s"] / row["slot_step_s"]
+            rows.append(row)
+            print(
+                f"  batch {batch:2d} context {context:5d}: paged per row "
+                f"{row['paged_step_s'] * 1e3:7.2f} ms, paged batched (gather) "
+                f"{row['paged_batched_step_s'] * 1e3:7.2f} ms, slot view "
+                f"{row['slot_step_s'] * 1e3:7.2f} ms",
+                flush=True,
+            )
+    return rows
+
+
+def _nothing() -> None:
+    pass
+
+
+def write_csv(name: str, rows: list[dict]) -> Path:
+    path = RESULTS / name
+    with path.open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slots", type=int, default=64, help="fixed slots of 8192 positions")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--shape", choices=SHAPES, default="llama-124m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8191])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-decode", action="store_true")
+    args = parser.parse_args()
+
+    rows = capacity(args)
+    shape = SHAPES["mistral-7b"]
+    token_bytes = kv_token_bytes(
+        shape["num_kv_heads"],
+        shape["hidden_size"] // shape["num_heads"],
+        torch.bfloat16,
+        shape["num_layers"],
+    )
+    gib = rows[0]["pool_tokens"] * token_bytes / 2**30
+    print(
+        f"pool of {args.slots} slots x {MODEL_LEN} = {rows[0]['pool_tokens']} positions "
+        f"({gib:.0f} GiB for mistral-7b bf16), blocks of {DEFAULT_BLOCK_SIZE}"
+    )
+    print("| prompts 256-8192 | max_tokens | fixed slots | paged (mean, min) | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['distribution']} (mean {r['mean_prompt']:.0f}) | {r['max_tokens']} | "
+            f"{r['fixed_slots']} | {r['paged_sequences']:.1f}, {r['paged_min']} | "
+            f"{r['ratio']:.2f}x |"
+        )
+    print(f"wrote {write_csv('paged_capacity.csv', rows)}")
+    if args.skip_decode:
+        return
+    print(f"decode step, {args.shape} {args.dtype} on the CPU, {torch.get_num_threads()} threads")
+    steps = decode_times(args)
+    print(f"wrote {write_csv('paged_decode-cpu.csv', steps)}")
+
+
+if __name__ == "__main__":
+    main()
