@@ -19,8 +19,8 @@ class EngineOptions:
     to `max_waiting` more requests queue beyond those the free blocks admit; past that
     `start()` raises QueueFullError. A step feeds the model at most `max_num_batched_tokens`
     tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
-    (default: batched_tokens_default()), and within `prefill_decode_ratio` times the measured
-    time of a decode (engine/pacing.py). `shadow` samples blended requests for shadow checks
+    (default: batched_tokens_default()), so that a step takes at most 1 + `prefill_decode_ratio`
+    lone decodes (engine/pacing.py). `shadow` samples blended requests for shadow checks
     (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best

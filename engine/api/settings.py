@@ -120,8 +120,9 @@ class EngineSettings(BaseSettings):
         1.5,
         gt=0,
         le=1000,
-        description="a step's prefills take at most this many times the measured time of a "
-        "decode, so a sequence's time per output token stays about 1 + this many decodes",
+        description="a step with decodes takes at most 1 + this many lone decodes (measured), "
+        "its prefills the rest: the time per output token stays about 1 + this many times "
+        "its unloaded value",
     )
     recompute_ratio: RecomputeRatio | None = Field(
         None,
