@@ -26,7 +26,6 @@ class StepBudget:
     step; infinite when nothing decodes, so a lone prefill runs whole, exactly as unpaused."""
 
     left: float = math.inf
-    used: int = 0  # token-layers computed since the driver last reset it
 
     @property
     def spent(self) -> bool:
@@ -41,7 +40,6 @@ class StepBudget:
 
     def spend(self, token_layers: int) -> None:
         self.left -= token_layers
-        self.used += token_layers
 
 
 def wait(budget: StepBudget) -> Pausable[float]:

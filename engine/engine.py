@@ -20,7 +20,6 @@ from engine.job import Event, Job, new_job
 from engine.layers import LayerOps
 from engine.model import LoadedModel, load_model
 from engine.options import EngineOptions, batched_tokens_default
-from engine.pacing import Pacer
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
@@ -48,7 +47,6 @@ class Engine:
         )
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.estimate = QueueEstimate()
-        self.pacer = Pacer(opts.prefill_decode_ratio, self.ops.shape.num_layers)
         self.runner = ModelRunner.sized(
             self.ops, opts.max_num_seqs, opts.max_model_len, opts.kv_pool_bytes
         )
@@ -185,13 +183,11 @@ class Engine:
                 self.executor.abandon(seq)
                 seq.emit(GenerationCancelled())
             step = self.scheduler.schedule()
-        step.paced_tokens = self.pacer.tokens()
         seqs = step.sequences
         if not seqs:
             return
         record = self.executor.run(step)
         self.estimate.observe(record)
-        self.pacer.observe(record)
         with self._lock:
             finished = self.scheduler.finish_done(seqs)
             busy = self.scheduler.has_work

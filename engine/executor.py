@@ -52,7 +52,6 @@ class Executor:
             len(step.prefills),
             completed_tokens,
             time.perf_counter() - decode_end,
-            self.budget.used,
         )
 
     def submit_shadows(self, finished: list[Job], busy: bool) -> None:
@@ -81,7 +80,7 @@ class Executor:
             seq.prefill_steps = self.prefiller.request_steps(
                 seq.layout, request, self.budget, opened=seq.opened
             )
-        self.budget.left, self.budget.used = step.prefill_tokens * num_layers, 0
+        self.budget.left = step.prefill_tokens * num_layers
         completed, first_tokens = 0, 0
         for seq in seqs:
             if self.budget.spent:

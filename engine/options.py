@@ -19,8 +19,7 @@ class EngineOptions:
     to `max_waiting` more requests queue beyond those the free blocks admit; past that
     `start()` raises QueueFullError. A step feeds the model at most `max_num_batched_tokens`
     tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
-    (default: batched_tokens_default()), so that a step takes at most 1 + `prefill_decode_ratio`
-    lone decodes (engine/pacing.py). `shadow` samples blended requests for shadow checks
+    (default: batched_tokens_default()). `shadow` samples blended requests for shadow checks
     (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best
@@ -41,7 +40,6 @@ class EngineOptions:
     kv_pool_bytes: int | None = None
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
-    prefill_decode_ratio: float = 1.5
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers
@@ -58,11 +56,12 @@ class EngineOptions:
 
 
 def batched_tokens_default(device_type: str) -> int:
-    """256 tokens on the CPU, where a prompt token costs about 1/30 of a decode step (both
-    scale with the weights: ~0.5-0.9 ms and ~30 ms for a 124M-parameter model); the pacing by
-    time usually binds first. 2048 on a GPU, whose step costs about the same from one token
-    to thousands."""
-    return 256 if device_type == "cpu" else 2048
+    """128 tokens on the CPU, where a prompt token costs ~1/30-1/60 of a decode step (both
+    scale with the weights: 0.5-0.9 ms and ~30 ms for a 124M-parameter model), so a step that
+    also prefills keeps a decoding sequence's time per token near 3x its unloaded value
+    (bench/serving.py). 2048 on a GPU, whose step costs about the same from one token to
+    thousands."""
+    return 128 if device_type == "cpu" else 2048
 
 
 def default_selection(check_layers: tuple[int, ...]) -> Selection:

@@ -30,13 +30,11 @@ MIN_PREFILL_TOKENS = 16
 @dataclass
 class Step(Generic[S]):
     """What one engine step runs: a token for each of `decodes`, then `prefills` in order
-    (those in flight first) within the tokens `budget` leaves them. `paced_tokens`: the prompt
-    tokens that fit in the time the engine allows a step's prefills (engine/pacing.py)."""
+    (those in flight first) within the tokens `budget` leaves them."""
 
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)
     max_num_batched_tokens: int | None = None
-    paced_tokens: float = math.inf
 
     @property
     def sequences(self) -> list[S]:
@@ -48,14 +46,11 @@ class Step(Generic[S]):
 
     def budget(self, num_decoding: int) -> float:
         """What the step leaves its prefills when `num_decoding` sequences wait for a token:
-        max_num_batched_tokens less one token each, within the paced tokens, at least
-        MIN_PREFILL_TOKENS; math.inf when none waits (a lone prefill runs whole)."""
-        if not num_decoding:
+        max_num_batched_tokens less one token each, at least MIN_PREFILL_TOKENS; math.inf when
+        none waits (a lone prefill runs whole) or without a budget."""
+        if not num_decoding or self.max_num_batched_tokens is None:
             return math.inf
-        left = math.inf
-        if self.max_num_batched_tokens is not None:
-            left = self.max_num_batched_tokens - num_decoding
-        return max(min(left, self.paced_tokens), MIN_PREFILL_TOKENS)
+        return max(self.max_num_batched_tokens - num_decoding, MIN_PREFILL_TOKENS)
 
 
 class Scheduler(Generic[S]):

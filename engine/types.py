@@ -183,7 +183,6 @@ class StepRecord:
     num_prefills: int  # prefills that computed in the step, whole or a piece
     prefill_tokens: int
     prefill_s: float
-    prefill_token_layers: int = 0  # what the prefills computed: one token through one layer
 
     @property
     def seconds(self) -> float:

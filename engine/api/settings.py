@@ -114,15 +114,7 @@ class EngineSettings(BaseSettings):
         ge=1,
         le=1_048_576,
         description="tokens one engine step feeds the model, decodes first; prefills fill the "
-        "rest and go on in the next step (default: 256 on the CPU, 2048 on a GPU)",
-    )
-    prefill_decode_ratio: float = Field(
-        1.5,
-        gt=0,
-        le=1000,
-        description="a step with decodes takes at most 1 + this many lone decodes (measured), "
-        "its prefills the rest: the time per output token stays about 1 + this many times "
-        "its unloaded value",
+        "rest and go on in the next step (default: 128 on the CPU, 2048 on a GPU)",
     )
     recompute_ratio: RecomputeRatio | None = Field(
         None,
