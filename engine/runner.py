@@ -76,8 +76,8 @@ def _default_pool_bytes(device: torch.device) -> int:
 
 
 # Per row, a slice of the flattened pool or its rows to gather (`_row_reads`); or, batched, the
-# block table [B, W], key positions [1, T] and causal mask [B, T] (`_batched_reads`).
-Reads = list[slice | torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# block table [B, W] and a mask [B, 1, 1, T] per sliding window of the model (`_batched_reads`).
+Reads = list[slice | torch.Tensor] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
 
 
 class ModelRunner:
@@ -231,37 +231,38 @@ class ModelRunner:
 
     def _batched_reads(
         self, tables: list[list[int]], pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, dict[int | None, torch.Tensor]]:
         """Every row's blocks up to the longest context, [B, W] (short tables padded with block
-        0, masked out), the key positions [1, T] and the causal mask [B, T]."""
+        0, masked out), and each row's mask [B, 1, 1, T] per sliding window of the model, built
+        once per step for every layer."""
         device, size = self.ops.device, self.block_size
         width = int(pos.max()) // size + 1
         table = torch.tensor(
             [t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device
         )
         key_pos = torch.arange(width * size, device=device)[None, :]
-        return table, key_pos, key_pos <= pos[:, None]
+        causal = key_pos <= pos[:, None]
+        masks = {
+            window: causal if window is None else causal & (key_pos > pos[:, None] - window)
+            for window in set(self.ops.windows)
+        }
+        return table, {window: mask[:, None, None] for window, mask in masks.items()}
 
     def _attend_batched(
         self,
         i: int,
         q_rows: torch.Tensor,
         table: torch.Tensor,
-        key_pos: torch.Tensor,
-        causal: torch.Tensor,
+        masks: dict[int | None, torch.Tensor],
     ) -> torch.Tensor:
         """Layer i's attention as one SDPA over the gathered blocks of every row, each row masked
         to its own positions (and sliding window): one launch per layer, for devices where
         launches, not copies, bound a decode step (CUDA: not measured against the slot view)."""
-        window, mask = self.ops.windows[i], causal
-        if window is not None:
-            pos = causal.sum(-1, keepdim=True) - 1
-            mask = causal & (key_pos > pos - window)
         return F.scaled_dot_product_attention(
             q_rows,
             gather_blocks(self.keys[i], table),
             gather_blocks(self.values[i], table),
-            attn_mask=mask[:, None, None],
+            attn_mask=masks[self.ops.windows[i]],
             scale=self.ops.blocks[i].self_attn.scaling,
         )
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.blocks import BlockManager
 from engine.errors import PromptTooLongError, QueueFullError
-from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from engine.scheduler import MIN_PREFILL_TOKENS, Scheduler, Step
 from engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 16
@@ -110,14 +110,19 @@ def test_with_nothing_decoding_the_prefills_of_a_step_run_whole():
     assert math.isinf(s.schedule().prefill_tokens)
 
 
-def test_every_step_decodes_the_cached_sequences_and_prefills_in_the_tokens_they_leave():
-    s = scheduler(slots=3, max_waiting=3, step_tokens=32)
+def one_decodes_while_one_arrives(s: Scheduler) -> tuple[Sequence, Sequence, Step]:
+    """`a` prefilled and decoding, `b` just admitted: the step that runs both."""
     a, b = seq(10), seq(10)
     s.add(a)
     s.schedule()
     prefilled(a)
     s.add(b)
-    step = s.schedule()
+    return a, b, s.schedule()
+
+
+def test_every_step_decodes_the_cached_sequences_and_prefills_in_the_tokens_they_leave():
+    s = scheduler(slots=3, max_waiting=3, step_tokens=32)
+    a, b, step = one_decodes_while_one_arrives(s)
     assert step.decodes == [a] and step.prefills == [b] and step.prefill_tokens == 31
     assert s.schedule().decodes == [a]  # b is still prefilling: it does not decode yet
     prefilled(b)
@@ -151,12 +156,7 @@ def test_prefills_keep_a_minimum_share_of_a_step_that_many_decodes_fill():
 
 def test_without_a_token_budget_prefills_run_whole_beside_the_decodes():
     s = scheduler(slots=3, max_waiting=3, step_tokens=None)
-    a, b = seq(10), seq(10)
-    s.add(a)
-    s.schedule()
-    prefilled(a)
-    s.add(b)
-    step = s.schedule()
+    a, b, step = one_decodes_while_one_arrives(s)
     assert step.decodes == [a] and step.prefills == [b] and math.isinf(step.prefill_tokens)
 
 
