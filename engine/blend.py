@@ -69,8 +69,8 @@ def prefill_steps(
     budget: StepBudget,
 ) -> Pausable[PrefillOutput]:
     """`run_prefill` in pieces: a layer's rows are computed in pieces while `budget` lasts, and
-    the loop pauses (yields) between pieces when it is spent. A check layer projects all its
-    rows at once (the check compares every candidate); only its attention and MLP are pieced.
+    the loop pauses (yields) between pieces when it is spent. A check layer projects its rows
+    in pieces too, then checks every candidate at once, then attends in pieces.
     Pieces give the same result as the whole layer: each row's attention reads the keys of
     the rows before it, which earlier pieces (or the cache) wrote. Drive it with
     engine.budget's `advance` or `run_to_end` (they run each resumption in inference mode)."""
@@ -125,11 +125,16 @@ def prefill_steps(
             end = start + length
             k_layer[:, start:end] = ops.rotate(k_cached, cos[start:end], sin[start:end])
             v_layer[:, start:end] = v_cached
+        budget.spend(0, time.perf_counter() - compute_start)
 
         num_computed = h.shape[0]
         if i in ratios:
-            # The check compares every candidate: the layer projects all its rows at once.
-            q, k, v = _project(ops, i, h, (k_layer, v_layer), pre_rope, computed)
+            # The check compares every candidate: it waits until the layer projected all its
+            # rows (in pieces), then runs at once.
+            (q, k, v), paused = yield from _project_all(
+                ops, i, h, (k_layer, v_layer), pre_rope, computed, budget
+            )
+            check_start = time.perf_counter()
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
             layer = (q, k, v, k_layer)
             scores = check_scores(
@@ -144,7 +149,11 @@ def prefill_steps(
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
                 computed = _Computed(ops, positions, cos, sin, streamed_spans)
-            h, paused = yield from _pieces(ops, i, h, (k_layer, v_layer), computed, budget, q)
+            budget.spend(0, time.perf_counter() - check_start)
+            h, attend_paused = yield from _pieces(
+                ops, i, h, (k_layer, v_layer), computed, budget, q
+            )
+            paused += attend_paused
         else:
             h, paused = yield from _pieces(
                 ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope
@@ -183,6 +192,32 @@ def _project(
     return ops.rotate(q, rows.cos, rows.sin), k, v
 
 
+def _project_all(
+    ops: LayerOps,
+    i: int,
+    h: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    pre_rope: torch.Tensor | None,
+    computed: _Computed,
+    budget: StepBudget,
+) -> Pausable[tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], float]]:
+    """`_project` of every computed row at layer i, piece by piece while `budget` lasts (a
+    projected row costs one token-layer); q, k, v of all rows and the seconds paused."""
+    parts, start, paused, num_rows = [], 0, 0.0, h.shape[0]
+    while start < num_rows:
+        paused += yield from wait(budget)
+        piece_start = time.perf_counter()
+        end, cost = budget.piece(computed.positions, start, attends=False)
+        part = computed if end - start == num_rows else computed.part(ops, start, end)
+        parts.append(_project(ops, i, h[start:end], cache, pre_rope, part))
+        budget.spend(cost, time.perf_counter() - piece_start)
+        start = end
+    if len(parts) == 1:
+        return parts[0], paused
+    q, k, v = (torch.cat(rows, dim=1) for rows in zip(*parts, strict=True))
+    return (q, k, v), paused
+
+
 def _pieces(
     ops: LayerOps,
     i: int,
@@ -199,9 +234,9 @@ def _pieces(
     and writes their KV."""
     outputs, start, paused = [], 0, 0.0
     while start < h.shape[0]:
-        if start:
-            paused += yield from wait(budget)
-        end = start + budget.piece(h.shape[0] - start)
+        paused += yield from wait(budget)
+        piece_start = time.perf_counter()
+        end, cost = budget.piece(computed.positions, start, ops.windows[i])
         part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
         if q is None:
             q_part = _project(ops, i, h[start:end], cache, pre_rope, part)[0]
@@ -209,7 +244,7 @@ def _pieces(
             q_part = q[:, start:end]
         attn_out = ops.attend(i, q_part, *cache, part.attention)
         outputs.append(ops.finish_layer(i, h[start:end], attn_out))
-        budget.spend(end - start)
+        budget.spend(cost, time.perf_counter() - piece_start)
         start = end
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), paused
 

@@ -23,22 +23,49 @@ MIN_PIECE_ROWS = 16
 @dataclass
 class StepBudget:
     """Token-layers (one token through one decoder layer) a prefill may still compute in this
-    step; infinite when nothing decodes, so a lone prefill runs whole, exactly as unpaused."""
+    step; infinite when nothing decodes, so a lone prefill runs whole, exactly as unpaused.
+
+    A row's attention counts too: a row that attends over n keys costs 1 + n / keys_per_token
+    token-layers, where `keys_per_token` is how many keys one row reads for the price of its
+    dense work. With `seconds_per_token` (a row's dense work through a layer) a piece costs at
+    least its measured time in those units, so work the model leaves out (a blend's streamed
+    KV put in place, kernels slower than the probe's) still ends the step in time; on a device
+    that runs kernels asynchronously the host's clock sees little and the counts rule.
+    engine/step_cost.py measures both; the defaults count rows alone. Counting rows alone, a
+    blend's step (its rows attend over the whole prompt) took twice a full prefill's time on
+    the CPU."""
 
     left: float = math.inf
+    keys_per_token: float = math.inf
+    seconds_per_token: float = 0.0
 
     @property
     def spent(self) -> bool:
         return self.left <= 0
 
-    def piece(self, rows_left: int) -> int:
-        """How many of a layer's remaining rows the next piece computes (it may overshoot the
-        budget by up to MIN_PIECE_ROWS - 1 token-layers)."""
+    def piece(
+        self, positions: list[int], start: int, window: int | None = None, attends: bool = True
+    ) -> tuple[int, float]:
+        """The end of the next piece of a layer's rows at `positions[start:]` (sorted) and its
+        cost: rows while the budget lasts, at least MIN_PIECE_ROWS (so a piece may overshoot by
+        less than that many rows). `attends=False`: rows only projected (a check layer's)."""
         if math.isinf(self.left):
-            return rows_left
-        return min(rows_left, max(math.ceil(self.left), MIN_PIECE_ROWS))
+            return len(positions), 0.0
+        per_key = 0.0 if not attends or math.isinf(self.keys_per_token) else 1 / self.keys_per_token
+        end, cost = start, 0.0
+        for position in positions[start:]:
+            keys = position + 1 if window is None else min(position + 1, window)
+            row = 1.0 + keys * per_key
+            if end - start >= MIN_PIECE_ROWS and cost + row > self.left:
+                break
+            cost += row
+            end += 1
+        return end, cost
 
-    def spend(self, token_layers: int) -> None:
+    def spend(self, token_layers: float, seconds: float = 0.0) -> None:
+        """Charge work counted as `token_layers` that took `seconds`."""
+        if self.seconds_per_token > 0.0:
+            token_layers = max(token_layers, seconds / self.seconds_per_token)
         self.left -= token_layers
 
 

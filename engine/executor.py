@@ -17,6 +17,7 @@ from engine.prefill import Prefill, Prefiller
 from engine.runner import ModelRunner
 from engine.scheduler import Step
 from engine.shadow import Shadow
+from engine.step_cost import StepCost
 from engine.types import StepRecord
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Executor:
         shadow: Shadow,
         chunks: ChunkPrecompute,
         post: Postprocessor,
+        cost: StepCost | None = None,
     ):
         self.prefiller = prefiller
         self.runner = runner
@@ -37,7 +39,10 @@ class Executor:
         self.chunks = chunks
         self.post = post
         # The budget every prefill in flight reads; each step refills it.
-        self.budget = StepBudget()
+        cost = cost or StepCost()
+        self.budget = StepBudget(
+            keys_per_token=cost.keys_per_token, seconds_per_token=cost.seconds_per_token
+        )
 
     def run(self, step: Step[Job]) -> StepRecord:
         """The step's decode, then its prefills within the tokens it leaves them, each timed."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.selection import Selection
 from engine.shadow import ShadowConfig
+from engine.step_cost import StepCost
 from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, Penalties
 
 
@@ -40,6 +41,7 @@ class EngineOptions:
     kv_pool_bytes: int | None = None
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
+    step_cost: StepCost | None = None  # what a prefill row costs a step; None: measured at start
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers

@@ -20,9 +20,11 @@ def request(chunks, **overrides) -> GenerateRequest:
     return GenerateRequest(question="which vo is zuka?", chunks=chunks, max_tokens=4, **overrides)
 
 
-def split(engine, req: GenerateRequest, per_step: int) -> tuple[Prefill, int]:
+def split(
+    engine, req: GenerateRequest, per_step: int, keys_per_token: float = math.inf
+) -> tuple[Prefill, int]:
     """The prefill driven one step at a time with `per_step` token-layers; its pauses."""
-    budget = StepBudget(per_step)
+    budget = StepBudget(per_step, keys_per_token)
     steps = engine.prefiller.request_steps(engine.layout(req), req, budget)
     pauses = 0
     while True:
@@ -63,6 +65,73 @@ def test_a_split_prefill_equals_the_whole_one(engine_for, make_chunks, family, o
     assert pauses >= engine.ops.shape.num_layers - 1  # at least between every two layers
     assert_same(pieces, whole)
     assert pieces.blend == whole.blend
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", [Mode.FULL_PREFILL, Mode.CACHEBLEND])
+def test_a_prefill_split_by_attention_cost_equals_the_whole_one(
+    engine_for, make_chunks, family, mode
+):
+    engine = engine_for(family, (1, 2))
+    chunks = make_chunks(4, seed=8)
+    engine.precompute(chunks)
+    req = request(chunks, mode=mode, recompute_ratio=0.3 if mode is Mode.CACHEBLEND else None)
+    unweighted = split(engine, req, 4 * MIN_PIECE_ROWS)
+    weighted = split(engine, req, 4 * MIN_PIECE_ROWS, keys_per_token=8)
+    assert weighted[1] > unweighted[1]  # rows that attend over more keys fill a step sooner
+    assert_same(weighted[0], engine.prefill(req))
+
+
+def test_a_row_costs_one_token_plus_its_keys_over_keys_per_token():
+    budget = StepBudget(left=100, keys_per_token=10)
+    row_cost = [1 + (p + 1) / 10 for p in range(200)]
+    end, cost = budget.piece(list(range(200)), 0)
+    assert cost == pytest.approx(sum(row_cost[:end]))
+    assert cost <= 100 < cost + row_cost[end]  # as many rows as the budget pays for
+    assert end > MIN_PIECE_ROWS
+    late = list(range(1000, 1100))
+    end, cost = budget.piece(late, 0)
+    assert end == MIN_PIECE_ROWS  # each costs > 100: the least a piece computes
+    assert cost == pytest.approx(sum(1 + (p + 1) / 10 for p in late[:MIN_PIECE_ROWS]))
+    windowed = budget.piece(late, 0, window=10)
+    assert windowed == (50, 100.0)  # a sliding window caps the keys each row reads at 10
+
+
+def test_a_piece_costs_at_least_its_measured_time():
+    budget = StepBudget(left=100, seconds_per_token=0.01)
+    budget.spend(5, seconds=0.5)
+    assert budget.left == 50  # 0.5 s is 50 tokens' dense work, more than the 5 counted
+    budget.spend(5, seconds=0.01)
+    assert budget.left == 45
+
+
+def test_a_check_layer_projects_its_rows_in_pieces(engine_for, make_chunks):
+    engine = engine_for("llama", (1, 2))
+    chunks = make_chunks(4, seed=9)
+    engine.precompute(chunks)
+    req = request(chunks, mode=Mode.CACHEBLEND, recompute_ratio=0.3)
+    per_step, projected = MIN_PIECE_ROWS, []
+    ops = engine.ops
+    project = ops.project_qkv
+
+    def counted(index, h):
+        projected[-1] += h.shape[0]
+        return project(index, h)
+
+    ops.project_qkv = counted
+    try:
+        budget = StepBudget(per_step)
+        steps = engine.prefiller.request_steps(engine.layout(req), req, budget)
+        done = False
+        while not done:
+            projected.append(0)
+            done, _ = advance(steps)
+            budget.left = per_step
+    finally:
+        del ops.project_qkv
+    # At most one piece past the budget: no step projects a whole check layer's rows.
+    assert max(projected) <= per_step + MIN_PIECE_ROWS
+    assert engine.layout(req).num_tokens > 2 * (per_step + MIN_PIECE_ROWS)
 
 
 def test_a_prefill_pauses_about_once_per_budget_of_token_layers(engine_for, make_chunks):
