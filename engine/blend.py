@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionPlan
-from engine.budget import Pausable, StepBudget, run_to_end, wait
+from engine.budget import StepBudget, run_to_end, wait
 from engine.check import check_keeps, check_scores, indices
+from engine.dense import Dense, Pausable
 from engine.layers import LayerOps
 from engine.plan import PrefillPlan
 from engine.selection import Selection, prompt_generator, ratio_schedule
@@ -125,7 +126,6 @@ def prefill_steps(
             end = start + length
             k_layer[:, start:end] = ops.rotate(k_cached, cos[start:end], sin[start:end])
             v_layer[:, start:end] = v_cached
-        budget.spend(0, time.perf_counter() - compute_start)
 
         num_computed = h.shape[0]
         if i in ratios:
@@ -134,7 +134,6 @@ def prefill_steps(
             (q, k, v), paused = yield from _project_all(
                 ops, i, h, (k_layer, v_layer), pre_rope, computed, budget
             )
-            check_start = time.perf_counter()
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
             layer = (q, k, v, k_layer)
             scores = check_scores(
@@ -149,7 +148,6 @@ def prefill_steps(
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
                 computed = _Computed(ops, positions, cos, sin, streamed_spans)
-            budget.spend(0, time.perf_counter() - check_start)
             h, attend_paused = yield from _pieces(
                 ops, i, h, (k_layer, v_layer), computed, budget, q
             )
@@ -181,10 +179,11 @@ def _project(
     cache: tuple[torch.Tensor, torch.Tensor],
     pre_rope: torch.Tensor | None,
     rows: _Computed,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (rotated), k and v (pre-RoPE) of `rows` at layer i, their KV written to the cache."""
+) -> Pausable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """q (rotated), k and v (pre-RoPE) of `rows` at layer i, their KV written to the cache (the
+    projections are dense work, handed out)."""
     k_layer, v_layer = cache
-    q, k, v = ops.project_qkv(i, h)
+    q, k, v = yield Dense(ops, i, h)
     if pre_rope is not None:
         rows.write(pre_rope[i], k)
     rows.write(k_layer, ops.rotate(k, rows.cos, rows.sin))
@@ -206,11 +205,10 @@ def _project_all(
     parts, start, paused, num_rows = [], 0, 0.0, h.shape[0]
     while start < num_rows:
         paused += yield from wait(budget)
-        piece_start = time.perf_counter()
         end, cost = budget.piece(computed.positions, start, attends=False)
         part = computed if end - start == num_rows else computed.part(ops, start, end)
-        parts.append(_project(ops, i, h[start:end], cache, pre_rope, part))
-        budget.spend(cost, time.perf_counter() - piece_start)
+        parts.append((yield from _project(ops, i, h[start:end], cache, pre_rope, part)))
+        budget.spend(cost)
         start = end
     if len(parts) == 1:
         return parts[0], paused
@@ -235,16 +233,15 @@ def _pieces(
     outputs, start, paused = [], 0, 0.0
     while start < h.shape[0]:
         paused += yield from wait(budget)
-        piece_start = time.perf_counter()
         end, cost = budget.piece(computed.positions, start, ops.windows[i])
         part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
         if q is None:
-            q_part = _project(ops, i, h[start:end], cache, pre_rope, part)[0]
+            q_part = (yield from _project(ops, i, h[start:end], cache, pre_rope, part))[0]
         else:
             q_part = q[:, start:end]
         attn_out = ops.attend(i, q_part, *cache, part.attention)
-        outputs.append(ops.finish_layer(i, h[start:end], attn_out))
-        budget.spend(cost, time.perf_counter() - piece_start)
+        outputs.append((yield Dense(ops, i, h[start:end], attn_out)))
+        budget.spend(cost)
         start = end
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), paused
 

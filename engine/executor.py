@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 
-from engine.budget import StepBudget, advance
+from engine.budget import StepBudget
 from engine.chunks import ChunkPrecompute
+from engine.dense import advance_together
 from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
@@ -32,6 +34,7 @@ class Executor:
         chunks: ChunkPrecompute,
         post: Postprocessor,
         cost: StepCost | None = None,
+        batch_prefills: bool = False,
     ):
         self.prefiller = prefiller
         self.runner = runner
@@ -39,6 +42,7 @@ class Executor:
         self.chunks = chunks
         self.post = post
         # The budget every prefill in flight reads; each step refills it.
+        self.batch_prefills = batch_prefills
         cost = cost or StepCost()
         self.budget = StepBudget(
             keys_per_token=cost.keys_per_token, seconds_per_token=cost.seconds_per_token
@@ -66,10 +70,11 @@ class Executor:
                 self.shadow.submit(seq.shadow, busy)
 
     def prefill(self, step: Step[Job]) -> int:
-        """Advance the step's prefills in order while its prefill tokens last (each token
-        through every layer); the prompt tokens of those that completed. The KV streams of the
-        new ones are opened first, in order, so the store's one loader reads the next prompt's
-        first layers while the current one computes."""
+        """Advance the step's prefills while its prefill tokens last (each token through every
+        layer): side by side with `batch_prefills`, their projections and MLPs of the same
+        layer run as one batch (engine/dense.py), else one after another in admission order;
+        the prompt tokens of those that completed. The KV streams of the new ones are opened
+        first, in order, so the store's one loader reads ahead for all."""
         seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
         new = [seq for seq in seqs if seq.prefill_steps is None]
         for seq in new:
@@ -85,17 +90,35 @@ class Executor:
             seq.prefill_steps = self.prefiller.request_steps(
                 seq.layout, request, self.budget, opened=seq.opened
             )
-        self.budget.left = step.prefill_tokens * num_layers
+        self.budget.refill(step.prefill_tokens * num_layers)
         completed, first_tokens = 0, 0
-        for seq in seqs:
-            if self.budget.spent:
-                break
-            if self._advance(seq):
-                completed += seq.num_prompt_tokens
-                first_tokens += 1
-                # It now waits for its next token: what is left of an unbounded step (nothing
-                # decoded in it) is bounded as if it decoded.
-                self.budget.left = min(self.budget.left, step.budget(first_tokens) * num_layers)
+
+        def done(batch: list[Job], index: int, prefill: Prefill) -> None:
+            nonlocal completed, first_tokens
+            seq = batch[index]
+            seq.prefill_steps = seq.opened = None
+            self._accept(seq, prefill)
+            completed += seq.num_prompt_tokens
+            first_tokens += 1
+            # It now waits for its next token: what is left of an unbounded step (nothing
+            # decoded in it) is bounded as if it decoded.
+            self.budget.bound(step.budget(first_tokens) * num_layers)
+
+        def failed(batch: list[Job], index: int, exc: Exception) -> None:
+            log.error("prefill failed", exc_info=exc)
+            self.abandon(batch[index])
+            self.post.fail(batch[index], exc)
+
+        batches = [seqs] if self.batch_prefills else [[seq] for seq in seqs]
+        with torch.inference_mode():
+            for batch in batches:
+                if self.budget.spent:
+                    break
+                advance_together(
+                    [seq.prefill_steps for seq in batch],  # type: ignore[misc]
+                    partial(done, batch),
+                    partial(failed, batch),
+                )
         return completed
 
     def abandon(self, seq: Job) -> None:
@@ -105,23 +128,6 @@ class Executor:
         if seq.opened is not None:  # an unstarted prefill has not taken its stream over
             seq.opened.close()
         seq.prefill_steps = seq.opened = None
-
-    def _advance(self, seq: Job) -> bool:
-        """Run `seq`'s prefill until the budget is spent; True when it completed."""
-        assert seq.prefill_steps is not None
-        try:
-            done, prefill = advance(seq.prefill_steps)
-        except Exception as exc:
-            log.exception("prefill failed")
-            self.abandon(seq)
-            self.post.fail(seq, exc)
-            return False
-        if not done:
-            return False
-        assert prefill is not None
-        seq.prefill_steps = seq.opened = None
-        self._accept(seq, prefill)
-        return True
 
     def _accept(self, seq: Job, prefill: Prefill) -> None:
         """A completed prefill: its KV goes into the sequence's blocks; the first token comes from

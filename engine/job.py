@@ -15,7 +15,7 @@ from engine.sequence import Sequence
 from engine.types import GenerateRequest, GenerateResult, Penalties, TokenDelta
 
 if TYPE_CHECKING:
-    from engine.budget import Pausable
+    from engine.dense import Pausable
     from engine.prefill import Prefill
     from engine.shadow import ShadowSample
     from kvstore.loader import KVLayerStream

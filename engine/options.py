@@ -42,6 +42,7 @@ class EngineOptions:
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
     step_cost: StepCost | None = None  # what a prefill row costs a step; None: measured at start
+    batch_prefills: bool | None = None  # None: batch_prefills_default() of the device
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers
@@ -64,6 +65,14 @@ def batched_tokens_default(device_type: str) -> int:
     (bench/serving.py). 2048 on a GPU, whose step costs about the same from one token to
     thousands."""
     return 128 if device_type == "cpu" else 2048
+
+
+def batch_prefills_default(device_type: str) -> bool:
+    """Prefills admitted together share one forward on a GPU, where 8 short prompts batched
+    cost little more than one; on the CPU the forward of one prompt already keeps the cores
+    busy, so batching would only delay the first of them to the last one's time
+    (bench/prefill_batch.py)."""
+    return device_type != "cpu"
 
 
 def default_selection(check_layers: tuple[int, ...]) -> Selection:

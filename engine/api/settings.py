@@ -116,6 +116,11 @@ class EngineSettings(BaseSettings):
         description="tokens one engine step feeds the model, decodes first; prefills fill the "
         "rest and go on in the next step (default: 128 on the CPU, 2048 on a GPU)",
     )
+    batch_prefills: bool | None = Field(
+        None,
+        description="prefills admitted in one step share one forward, their projections and "
+        "MLPs batched per layer (default: on a GPU yes, on the CPU no)",
+    )
     recompute_ratio: RecomputeRatio | None = Field(
         None,
         description="fixed ratio of requests that set none, or auto: the check layer keeps the "

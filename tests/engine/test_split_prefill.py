@@ -4,6 +4,7 @@ prefill run whole, in every mode and on every family; it pauses as often as the 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -97,12 +98,15 @@ def test_a_row_costs_one_token_plus_its_keys_over_keys_per_token():
     assert windowed == (50, 100.0)  # a sliding window caps the keys each row reads at 10
 
 
-def test_a_piece_costs_at_least_its_measured_time():
-    budget = StepBudget(left=100, seconds_per_token=0.01)
-    budget.spend(5, seconds=0.5)
-    assert budget.left == 50  # 0.5 s is 50 tokens' dense work, more than the 5 counted
-    budget.spend(5, seconds=0.01)
-    assert budget.left == 45
+def test_a_step_ends_when_its_time_allowance_is_spent():
+    budget = StepBudget(seconds_per_token=1.0)
+    budget.refill(100)  # 100 s of work: the count rules
+    assert not budget.spent
+    assert budget.piece(list(range(50)), 0)[0] == 50
+    budget.refill(0.02)
+    time.sleep(0.05)
+    assert budget.spent and budget.left > 0  # the time ran out before the count
+    assert budget.piece(list(range(50)), 0)[0] == MIN_PIECE_ROWS
 
 
 def test_a_check_layer_projects_its_rows_in_pieces(engine_for, make_chunks):
