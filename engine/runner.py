@@ -82,9 +82,10 @@ RowRead = list[slice] | torch.Tensor
 Reads = list[RowRead] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
 
 # The most runs of consecutive blocks a row reads as views (one SDPA each, merged); a row in
-# more pieces is gathered. Two covers a shared prompt prefix followed by the sequence's own
-# blocks (bench/paged_capacity.py measured views faster than the gather there).
-MAX_VIEW_RUNS = 4
+# more pieces is gathered. Two: a shared prompt prefix, then the sequence's own blocks, where
+# the views measured as fast as one run and the gather up to 1.9x slower (more runs are not
+# measured; bench/paged_capacity.py).
+MAX_VIEW_RUNS = 2
 
 
 class ModelRunner:
