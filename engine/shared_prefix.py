@@ -17,11 +17,9 @@ class SharedPrefixes:
         self.blocks = blocks
         self.capacity = capacity
         self._entries: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix -> its blocks
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks the entries hold (some of them also held by running sequences)."""
-        return sum(self._entries.values())
+        # Blocks the entries hold (some also held by running sequences): an int, which the
+        # metrics read without the engine's lock.
+        self.num_blocks = 0
 
     def shared_blocks(self, prefix: tuple[int, ...]) -> int:
         """Blocks a sequence starting with `prefix` would share now (0: not registered)."""
@@ -40,6 +38,7 @@ class SharedPrefixes:
             return
         self.blocks.fork(seq_id, _key(prefix), num_blocks * self.blocks.block_size)
         self._entries[prefix] = num_blocks
+        self.num_blocks += num_blocks
         while len(self._entries) > self.capacity:
             self._drop(next(iter(self._entries)))
 
@@ -69,7 +68,7 @@ class SharedPrefixes:
 
     def _drop(self, prefix: tuple[int, ...]) -> None:
         self.blocks.free(_key(prefix))
-        del self._entries[prefix]
+        self.num_blocks -= self._entries.pop(prefix)
 
 
 def _key(prefix: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
