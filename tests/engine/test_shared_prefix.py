@@ -166,3 +166,19 @@ def test_the_counts_of_admissible_sequences_match_what_is_admitted():
             s.waiting.append(seq(rng.randint(18, 40), rng.choice(prefixes), rng.randint(1, 8)))
         expected = s.num_admissible()
         assert len(s.schedule().prefills) == expected, trial
+
+
+def test_a_prefix_given_back_for_one_sequence_is_not_counted_as_shared_for_the_next():
+    s: Scheduler[Sequence] = Scheduler(BlockManager(12, BLOCK), 4, 8, 1000, shared_prefixes=4)
+    for prefix in (PREFIX, OTHER):  # both registered, then idle: PREFIX used least recently
+        x = seq(14, prefix, max_tokens=2)
+        s.add(x)
+        s.schedule()
+        cached(s, x)
+        s.finish(x)
+    assert s.prefixes.num_blocks == 4 and s.blocks.num_free_blocks == 8
+    big, behind = seq(38, prefix=(), max_tokens=2), seq(14, max_tokens=2)  # 10 blocks; 4 or 2
+    s.add(big), s.add(behind)
+    assert s.num_admissible() == 1  # big takes PREFIX's blocks: behind would need 4, not 2
+    s.schedule()
+    assert s.running == [big] and s.prefixes.shared_blocks(PREFIX) == 0
