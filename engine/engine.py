@@ -58,7 +58,12 @@ class Engine:
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
         step_tokens = opts.max_num_batched_tokens or batched_tokens_default(loaded.device.type)
         self.scheduler: Scheduler[Job] = Scheduler(
-            blocks, opts.max_num_seqs, opts.max_waiting, opts.max_prefill_tokens, step_tokens
+            blocks,
+            opts.max_num_seqs,
+            opts.max_waiting,
+            opts.max_prefill_tokens,
+            step_tokens,
+            shared_prefixes=opts.prefix_cache_entries,
         )
         self._lock = threading.Lock()  # guards the scheduler between callers and the worker
         self._step_listeners: list[Callable[[StepRecord], None]] = []

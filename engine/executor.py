@@ -130,12 +130,15 @@ class Executor:
         seq.prefill_steps = seq.opened = None
 
     def _accept(self, seq: Job, prefill: Prefill) -> None:
-        """A completed prefill: its KV goes into the sequence's blocks; the first token comes from
-        its logits."""
+        """A completed prefill: its KV goes into the sequence's blocks (but for a shared prefix);
+        the first token comes from its logits."""
         request, output = seq.request, prefill.output
         assert seq.lane is not None and seq.scheduled_s is not None
         prefill.prefill_s = time.perf_counter() - seq.scheduled_s
-        self.runner.write_prompt(seq.block_table, output.keys, output.values)
+        # The positions of a shared prefix are in the blocks already, the same KV (exact).
+        self.runner.write_prompt(
+            seq.block_table, output.keys, output.values, start=seq.num_shared_tokens
+        )
         seq.prefill, seq.num_cached = prefill, seq.num_prompt_tokens
         self.chunks.write_back(prefill.missing_chunks)
         # Penalised tokens are no greedy continuation that the shadow's full prefill could match.

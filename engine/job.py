@@ -12,7 +12,7 @@ from engine.detokenize import IncrementalText
 from engine.prompt import PromptLayout
 from engine.sampling import Sampler
 from engine.sequence import Sequence
-from engine.types import GenerateRequest, GenerateResult, Penalties, TokenDelta
+from engine.types import GenerateRequest, GenerateResult, Mode, Penalties, TokenDelta
 
 if TYPE_CHECKING:
     from engine.dense import Pausable
@@ -51,6 +51,8 @@ def new_job(
     return Job(
         num_prompt_tokens=layout.num_tokens,
         max_tokens=request.max_tokens,
+        # Full prefill is the no-reuse baseline: it computes its prefix too.
+        shared_prefix=() if request.mode is Mode.FULL_PREFILL else layout.prefix,
         request=request,
         layout=layout,
         sampler=Sampler(request.temperature, request.top_p, request.seed),

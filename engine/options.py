@@ -27,7 +27,10 @@ class EngineOptions:
     measured at equal TTFT (docs/quality.md), `hkvd` where one check layer is all there is.
     `recompute_ratio="auto"` (or a request's) lets the check layer keep the tokens that cover
     `auto_coverage` of the selection's mass, at most `auto_max_ratio`.
-    `default_penalties` apply to requests that leave a penalty unset.
+    `default_penalties` apply to requests that leave a penalty unset. `prefix_cache_entries`
+    bounds both the exact prompt prefixes kept in the KV store (engine/prefix_cache.py) and
+    those held once in the KV pool, shared by the sequences that start with one
+    (engine/shared_prefix.py; 0: neither).
     """
 
     check_layers: tuple[int, ...] = ()  # (): the model's default, default_check_layers()

@@ -75,9 +75,17 @@ def _default_pool_bytes(device: torch.device) -> int:
     return available_ram_bytes() // 4
 
 
-# Per row, a slice of the flattened pool or its rows to gather (`_row_reads`); or, batched, the
-# block table [B, W] and a mask [B, 1, 1, T] per sliding window of the model (`_batched_reads`).
-Reads = list[slice | torch.Tensor] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
+# Per row, the runs of its keys as slices of the flattened pool or its rows to gather
+# (`_row_reads`); or, batched, the block table [B, W] and a mask [B, 1, 1, T] per sliding
+# window of the model (`_batched_reads`).
+RowRead = list[slice] | torch.Tensor
+Reads = list[RowRead] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
+
+# The most runs of consecutive blocks a row reads as views (one SDPA each, merged); a row in
+# more pieces is gathered. Two: a shared prompt prefix, then the sequence's own blocks, where
+# the views measured as fast as one run and the gather up to 1.9x slower (more runs are not
+# measured; bench/paged_capacity.py).
+MAX_VIEW_RUNS = 2
 
 
 class ModelRunner:
@@ -113,6 +121,7 @@ class ModelRunner:
         # One SDPA per row over views of its blocks on the CPU (see _attend_rows); one batched
         # SDPA over gathered blocks elsewhere.
         self.per_row = ops.device.type == "cpu"
+        self.max_view_runs = MAX_VIEW_RUNS
         vocab_size = ops.model.lm_head.weight.shape[0]  # the width of the logits
         # One row per lane: the small id each running sequence holds (engine/scheduler.py).
         self.penalties = PenaltyState(num_lanes, vocab_size, ops.device)
@@ -135,15 +144,18 @@ class ModelRunner:
         """Rows of the pool flattened to [N * block_size, H_kv, D] that hold `positions`."""
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def write_prompt(self, table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy a prompt's KV [L, H_kv, n, D] into the first blocks of `table`."""
+    def write_prompt(
+        self, table: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0
+    ) -> None:
+        """Copy a prompt's KV [L, H_kv, n, D] into the first blocks of `table`, from position
+        `start` on: the blocks before it are shared (engine/shared_prefix.py), never written."""
         device = self.ops.device
         rows = self._token_rows(
-            torch.tensor(table, device=device), torch.arange(keys.shape[2], device=device)
+            torch.tensor(table, device=device), torch.arange(start, keys.shape[2], device=device)
         )
         flat_keys, flat_values = self.keys.flatten(1, 2), self.values.flatten(1, 2)
-        flat_keys[:, rows] = keys.transpose(1, 2)
-        flat_values[:, rows] = values.transpose(1, 2)
+        flat_keys[:, rows] = keys[:, :, start:].transpose(1, 2)
+        flat_values[:, rows] = values[:, :, start:].transpose(1, 2)
 
     @torch.inference_mode()
     def decode(
@@ -191,29 +203,31 @@ class ModelRunner:
             return self._attend_rows(i, q_rows, reads)
         return self._attend_batched(i, q_rows, *reads)
 
-    def _row_reads(
-        self, tables: list[list[int]], positions: list[int]
-    ) -> list[slice | torch.Tensor]:
+    def _row_reads(self, tables: list[list[int]], positions: list[int]) -> list[RowRead]:
         """Where the keys 0..positions[b] of each row lie in the pool flattened to
-        [N * block_size, H_kv, D]: a slice where its blocks are one run of consecutive ids
-        (read as a view, no copy; admission reserves a sequence's blocks at once, so most are),
-        else the rows to gather."""
-        device = self.ops.device
-        reads: list[slice | torch.Tensor] = []
+        [N * block_size, H_kv, D]: a slice per run of consecutive block ids, read as views (no
+        copy; admission reserves a sequence's own blocks at once, so most rows are one run, or
+        two behind a shared prefix), else, past MAX_VIEW_RUNS runs, the rows to gather."""
+        device, size = self.ops.device, self.block_size
+        reads: list[RowRead] = []
         for table, position in zip(tables, positions, strict=True):
             n = position + 1
-            used = table[: -(-n // self.block_size)]
-            if used == list(range(used[0], used[0] + len(used))):
-                start = used[0] * self.block_size
-                reads.append(slice(start, start + n))
+            used = table[: -(-n // size)]
+            starts = [0] + [j for j in range(1, len(used)) if used[j] != used[j - 1] + 1]
+            if len(starts) <= self.max_view_runs:
+                ends = [*starts[1:], len(used)]
+                reads.append(
+                    [
+                        slice(used[a] * size, used[a] * size + min(b * size, n) - a * size)
+                        for a, b in zip(starts, ends, strict=True)
+                    ]
+                )
             else:
                 index = torch.tensor(used, device=device)
                 reads.append(self._token_rows(index, torch.arange(n, device=device)))
         return reads
 
-    def _attend_rows(
-        self, i: int, q_rows: torch.Tensor, reads: list[slice | torch.Tensor]
-    ) -> torch.Tensor:
+    def _attend_rows(self, i: int, q_rows: torch.Tensor, reads: list[RowRead]) -> torch.Tensor:
         """Layer i's attention, one SDPA per row over exactly its own keys (no mask, no padding).
         On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
         context made the step 2-4x slower at 8K of context (bench/paged_capacity.py)."""
@@ -221,12 +235,15 @@ class ModelRunner:
         window, scale = self.ops.windows[i], self.ops.blocks[i].self_attn.scaling
         outs = []
         for q, read in zip(q_rows[:, None], reads, strict=True):
-            # [1, H_kv, n, D] views: 4-D inputs take SDPA's fused CPU kernel (3-D ones measured
-            # 40x slower).
-            k, v = keys[read].transpose(0, 1)[None], values[read].transpose(0, 1)[None]
-            if window is not None:
-                k, v = k[:, :, -window:], v[:, :, -window:]
-            outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0])
+            if isinstance(read, torch.Tensor):
+                # [1, H_kv, n, D]: 4-D inputs take SDPA's fused CPU kernel (3-D ones measured
+                # 40x slower).
+                k, v = keys[read].transpose(0, 1)[None], values[read].transpose(0, 1)[None]
+                if window is not None:
+                    k, v = k[:, :, -window:], v[:, :, -window:]
+                outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0])
+            else:
+                outs.append(_attend_runs(q, keys, values, _last(read, window), scale)[0])
         return torch.stack(outs)  # [B, H_kv, G, D]
 
     def _batched_reads(
@@ -271,3 +288,40 @@ def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """[B, H_kv, W * block_size, D]: a layer's blocks [N, block_size, H_kv, D] of each row of
     `table` [B, W], as one copy and a transposed view (what SDPA reads)."""
     return pool[table].flatten(1, 2).transpose(1, 2)
+
+
+def _last(runs: list[slice], count: int | None) -> list[slice]:
+    """The runs trimmed to their last `count` positions (a sliding window; None: all)."""
+    if count is None:
+        return runs
+    kept = []
+    for run in reversed(runs):
+        take = min(count, run.stop - run.start)
+        kept.append(slice(run.stop - take, run.stop))
+        count -= take
+        if count == 0:
+            break
+    return kept[::-1]
+
+
+def _attend_runs(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: list[slice], scale: float
+) -> torch.Tensor:
+    """Attention of q [1, H_kv, G, D] over the keys and values [T, H_kv, D] of `runs`, read as
+    views: one SDPA per run, merged by their log-sum-exps (float32), so that no run is copied.
+    The kernel is the fused CPU one F.scaled_dot_product_attention calls, which also returns
+    the log-sum-exp."""
+    if len(runs) == 1:
+        k, v = keys[runs[0]].transpose(0, 1)[None], values[runs[0]].transpose(0, 1)[None]
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    outs, lses = [], []
+    for run in runs:
+        k, v = keys[run].transpose(0, 1)[None], values[run].transpose(0, 1)[None]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, scale=scale
+        )[:2]
+        outs.append(out)
+        lses.append(lse)
+    lse = torch.stack(lses)  # [R, 1, H_kv, G]
+    weights = torch.exp(lse - torch.logsumexp(lse, 0))[..., None]
+    return (weights * torch.stack(outs).float()).sum(0).to(q.dtype)

@@ -4,8 +4,8 @@ Every step decodes one token for each sequence whose prompt is cached, and gives
 in flight what is left of the step's token budget; a prefill that needs more pauses and goes
 on in the next step, so a stream of arrivals never starves the decodes. Waiting sequences are
 admitted, in order, once no prefill is in flight, while the KV pool's free blocks hold their
-prompt plus max_tokens and fewer than max_num_seqs run. Plain Python: tensors live in the
-runner.
+prompt plus max_tokens (less the blocks of a registered prompt prefix they share) and fewer than
+max_num_seqs run. Plain Python: tensors live in the runner.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 from engine.blocks import BlockManager
 from engine.errors import PromptTooLongError, QueueFullError
 from engine.sequence import Sequence, SequenceStatus
+from engine.shared_prefix import SharedPrefixes
 
 S = TypeVar("S", bound=Sequence)
 
@@ -59,7 +60,10 @@ class Scheduler(Generic[S]):
     prompt tokens admitted in one step (one sequence is always admitted). A sequence is admitted
     with the blocks of its prompt plus max_tokens, all reserved at once, so a running sequence
     never runs out of blocks and nothing is ever preempted; at most `max_num_seqs` run, each
-    holding a lane (0..max_num_seqs-1) that indexes per-sequence rows such as penalties."""
+    holding a lane (0..max_num_seqs-1) that indexes per-sequence rows such as penalties.
+    Up to `shared_prefixes` exact prompt prefixes stay in the pool once cached, shared by every
+    sequence admitted with one (engine/shared_prefix.py); those no sequence shares are given
+    back, least recently used first, when the free blocks do not admit the next sequence."""
 
     def __init__(
         self,
@@ -68,6 +72,7 @@ class Scheduler(Generic[S]):
         max_waiting: int,
         max_prefill_tokens: int,
         max_num_batched_tokens: int | None = None,
+        shared_prefixes: int = 0,
     ):
         if max_num_seqs < 1 or max_waiting < 0 or max_prefill_tokens < 1:
             raise ValueError(
@@ -77,6 +82,7 @@ class Scheduler(Generic[S]):
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_batched_tokens >= 1, got {max_num_batched_tokens}")
         self.blocks = blocks
+        self.prefixes = SharedPrefixes(blocks, shared_prefixes)
         self.max_num_seqs = max_num_seqs
         self._free_lanes = list(range(max_num_seqs))  # a heap: the lowest lane comes out first
         self.max_waiting = max_waiting
@@ -126,15 +132,27 @@ class Scheduler(Generic[S]):
         return count + room
 
     def _fit(self) -> tuple[int, int]:
-        """(waiting sequences admitted in order by the free blocks and lanes, blocks left)."""
+        """(waiting sequences admitted in order by the free blocks and lanes, blocks left, those
+        of idle shared prefixes included): `_admit`'s choices, on counts."""
         blocks, lanes, count = self.blocks.num_free_blocks, len(self._free_lanes), 0
+        idle = self.prefixes.idle()
+        given_back: set[tuple[int, ...]] = set()
         for seq in self.waiting:
-            need = self.blocks.blocks_for(seq.max_positions)
-            if need > blocks or count == lanes:
+            if count == lanes:
+                break
+            prefix = seq.shared_prefix
+            shared = 0 if prefix in given_back else self.prefixes.shared_blocks(prefix)
+            idle.pop(prefix, None)  # shared from now on (or not registered)
+            need = self.blocks.blocks_for(seq.max_positions) - shared
+            while need > blocks and idle:
+                gone, freed = idle.popitem(last=False)
+                given_back.add(gone)
+                blocks += freed
+            if need > blocks:
                 break
             blocks -= need
             count += 1
-        return count, blocks
+        return count, blocks + sum(idle.values())
 
     def schedule(self) -> Step[S]:
         """The next step: every sequence whose prompt is cached decodes; the prefills in flight
@@ -142,6 +160,9 @@ class Scheduler(Generic[S]):
         done = [seq for seq in self.prefilling if seq.num_cached >= seq.num_prompt_tokens]
         for seq in done:
             self.prefilling.remove(seq)
+            # Its prefix's KV is in its blocks now: later sequences may share them.
+            if seq.shared_prefix:
+                self.prefixes.register(seq.seq_id, seq.shared_prefix)
         self.decoding.extend(done)
         if not self.prefilling:
             self.prefilling = self._admit()
@@ -149,17 +170,23 @@ class Scheduler(Generic[S]):
 
     def _admit(self) -> list[S]:
         """Waiting sequences, in order, while their blocks and a lane are free, within
-        max_prefill_tokens; each gets the blocks of its prompt plus max_tokens."""
+        max_prefill_tokens; each gets the blocks of its prompt plus max_tokens, the first ones
+        shared where its prefix is registered."""
         batch: list[S] = []
         budget = self.max_prefill_tokens
         while self.waiting and self._free_lanes:
             seq = self.waiting[0]
             if batch and seq.num_prompt_tokens > budget:
                 break
-            if not self.blocks.can_allocate(seq.max_positions):
+            prefix = seq.shared_prefix
+            need = self.blocks.blocks_for(seq.max_positions) - self.prefixes.shared_blocks(prefix)
+            if need > self.blocks.num_free_blocks:
+                self.prefixes.reclaim(need, keep=prefix)
+            if need > self.blocks.num_free_blocks:
                 break  # first come, first served: no later, smaller sequence overtakes it
             self.waiting.popleft()
-            seq.block_table = self.blocks.allocate(seq.seq_id, seq.max_positions)
+            seq.num_shared_tokens = self.prefixes.allocate(seq.seq_id, prefix, seq.max_positions)
+            seq.block_table = self.blocks.block_table(seq.seq_id)
             seq.lane = heapq.heappop(self._free_lanes)
             seq.status = SequenceStatus.RUNNING
             budget -= seq.num_prompt_tokens
@@ -176,7 +203,7 @@ class Scheduler(Generic[S]):
             assert seq.lane is not None
             self.blocks.free(seq.seq_id)
             heapq.heappush(self._free_lanes, seq.lane)
-            seq.block_table, seq.lane = [], None
+            seq.block_table, seq.lane, seq.num_shared_tokens = [], None, 0
         seq.status = SequenceStatus.FINISHED
 
     def finish_done(self, seqs: list[S]) -> list[S]:

@@ -24,6 +24,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     lane: int | None = None  # a small id while running: its row of per-sequence state
     block_table: list[int] = field(default_factory=list)  # its KV blocks while running
+    # The exact prompt prefix whose full blocks it may share in the pool (engine/shared_prefix.py;
+    # empty: it shares none), and its leading positions whose blocks are shared while running.
+    shared_prefix: tuple[int, ...] = ()
+    num_shared_tokens: int = 0
     num_cached: int = 0  # positions whose KV is in its blocks
     num_output_tokens: int = 0  # tokens handed to the consumer
     next_token: int | None = None  # sampled, not yet fed to the model

@@ -284,6 +284,11 @@ class _LiveState:
             f"KV pool blocks (of {blocks.block_size} positions each)",
         )
         pool_blocks.add_metric([], blocks.num_blocks)
+        shared_blocks = GaugeMetricFamily(
+            "ragblend_engine_kv_shared_prefix_blocks",
+            "KV pool blocks holding prompt prefixes shared by the sequences that start with them",
+        )
+        shared_blocks.add_metric([], engine.scheduler.prefixes.num_blocks)
         stats = engine.store.stats()
         entries = GaugeMetricFamily(
             "ragblend_engine_store_entries", "KV entries by tier", labels=["tier"]
@@ -316,7 +321,8 @@ class _LiveState:
             "Expected wait before a request arriving now starts its prefill",
         )
         queue_estimate.add_metric([], engine.queue_estimate_s())
-        yield from (running, waiting, background, pool_usage, pool_blocks, entries, size, corrupt)
+        yield from (running, waiting, background, pool_usage, pool_blocks, shared_blocks)
+        yield from (entries, size, corrupt)
         yield from (write_failures, queue_estimate)
 
     @staticmethod

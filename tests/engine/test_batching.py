@@ -98,7 +98,9 @@ def test_each_sequence_of_a_batch_decodes_what_it_decodes_alone(engine_for, make
         request(long_chunks[1:4], mode=Mode.PREFIX_CACHE),
     ]
     steps = 6
-    # Blocks of the engine's own pool, which nothing else uses while this test runs.
+    # Blocks of the engine's own pool, which nothing else uses while this test runs: the
+    # prefixes earlier requests left shared in it are given back first.
+    engine.scheduler.prefixes.reclaim(engine.runner.num_blocks)
     pool = BlockManager(engine.runner.num_blocks, engine.runner.block_size)
     tables = [pool.allocate(i, engine.max_model_len) for i in range(len(requests))]
     # Alone: each request prefilled and decoded by itself, as a batch of one.

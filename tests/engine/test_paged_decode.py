@@ -1,5 +1,6 @@
 """Paged decode against the slot decode it replaces: the same logits and the same KV for a batch
-of mixed lengths, blocks shuffled through the pool or in runs, by both attention paths."""
+of mixed lengths, blocks shuffled through the pool, in runs, or behind a shared prompt prefix,
+by both attention paths."""
 
 from __future__ import annotations
 
@@ -27,21 +28,29 @@ def prompt_kv(engine, chunks) -> tuple[torch.Tensor, torch.Tensor, int]:
     return prefill.output.keys, prefill.output.values, int(prefill.output.logits.argmax())
 
 
-def block_tables(lengths: list[int], num_blocks: int, seed: int | None) -> list[list[int]]:
-    """Disjoint block tables with room for each length plus STEPS: in random pool order, or
-    (seed None) runs of consecutive ids, the first table's two halves swapped."""
+def block_tables(
+    lengths: list[int], num_blocks: int, seed: int | None, shared: int = 0
+) -> list[list[int]]:
+    """Block tables with room for each length plus STEPS, disjoint but for their first `shared`
+    blocks (one prefix, held once): in random pool order, or (seed None) runs of consecutive
+    ids, the first table's own blocks in two runs, swapped."""
     ids = list(range(num_blocks))
     if seed is not None:
         random.Random(seed).shuffle(ids)
+    prefix, ids = ids[:shared], ids[shared:]
     tables = []
     for n in lengths:
-        need = -(-(n + STEPS) // BLOCK_SIZE)
-        tables.append(ids[:need])
+        need = -(-(n + STEPS) // BLOCK_SIZE) - shared
+        tables.append(prefix + ids[:need])
         ids = ids[need:]
-    if seed is None:  # one row gathered beside rows read as views
-        half = len(tables[0]) // 2
-        tables[0] = tables[0][half:] + tables[0][:half]
+    if seed is None:  # one row in more runs than the others
+        own = tables[0][shared:]
+        tables[0] = prefix + own[len(own) // 2 :] + own[: len(own) // 2]
     return tables
+
+
+def num_runs(table: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(table, table[1:], strict=False))
 
 
 def paged_kv(runner: ModelRunner, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +62,7 @@ def paged_kv(runner: ModelRunner, table: list[int], n: int) -> tuple[torch.Tenso
 
 
 @pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "batched"])
-@pytest.mark.parametrize("blocks", ["shuffled", "runs"])
+@pytest.mark.parametrize("blocks", ["shuffled", "runs", "shared-prefix"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, blocks, per_row):
     engine = engine_for(family)
@@ -67,12 +76,20 @@ def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, b
     paged = ModelRunner(engine.ops, num_blocks, BLOCK_SIZE, model_len, num_lanes=1)
     paged.per_row = per_row  # both attention paths, whatever the device picks
     seed = FAMILIES.index(family) if blocks == "shuffled" else None
-    tables = block_tables(lengths, num_blocks, seed)
-    runs = [t == list(range(t[0], t[0] + len(t))) for t in tables]
-    assert not any(runs) if blocks == "shuffled" else all(runs[1:]) and not runs[0]
+    # Every prompt starts with the same template and system prompt: its full blocks, held once.
+    prefix = len(engine.layout(GenerateRequest(question="q", chunks=prompts[0])).prefix)
+    shared = prefix // BLOCK_SIZE if blocks == "shared-prefix" else 0
+    tables = block_tables(lengths, num_blocks, seed, shared)
+    runs = [num_runs(t) for t in tables]
+    if blocks == "shuffled":
+        assert min(runs) > paged.max_view_runs, "gathered"
+    else:
+        # Behind the prefix, the first row in three runs (gathered), the others in two.
+        assert runs == ([3, 2, 2] if shared else [2, 1, 1]), runs
     for slot, ((keys, values, _), table) in enumerate(zip(kvs, tables, strict=True)):
         slots.write_prompt(slot, keys, values)
-        paged.write_prompt(table, keys, values)
+        # A shared block is written by its first sequence only, as the engine does.
+        paged.write_prompt(table, keys, values, start=shared * BLOCK_SIZE if slot else 0)
 
     tokens, positions = [t for _, _, t in kvs], list(lengths)
     for _ in range(STEPS):

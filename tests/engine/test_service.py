@@ -340,6 +340,8 @@ def test_concurrent_streams_interleave_token_by_token(batching_service):
         # The pool holds max_num_seqs sequences of max_model_len in blocks of 16, no more.
         model_len = client.get("/health").json()["max_model_len"]
         assert metric_value(client, "ragblend_engine_kv_pool_blocks") == 4 * -(-model_len // 16)
+        # The streams' template start and system prompt stay in the pool, shared.
+        assert metric_value(client, "ragblend_engine_kv_shared_prefix_blocks") >= 1
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,103 @@
+"""Prompt prefixes shared in the engine's KV pool: requests with one system prompt decode from the
+same first blocks and get the tokens they get without sharing; full prefills never share."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from demo.tiny import FAMILIES, random_words
+from engine.engine import Engine
+from engine.job import Job
+from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord
+
+SYSTEM = " ".join(random_words(60, 4242))  # a prefix of several 16-token blocks
+
+
+def request(chunks, **overrides) -> GenerateRequest:
+    values = {
+        "question": "which tas does kalo hold?",
+        "chunks": chunks,
+        "system": SYSTEM,
+        "max_tokens": 8,
+        "ignore_eos": True,
+    }
+    return GenerateRequest(**{**values, **overrides})
+
+
+def serve(engine: Engine, first: GenerateRequest, later: list[GenerateRequest]) -> list:
+    """`first` alone, then `later` once its first token came (its prefix cached); the tokens."""
+
+    async def run(req: GenerateRequest, started: asyncio.Event | None = None):
+        async for event in engine.start(req):
+            if started is not None:
+                started.set()
+            if isinstance(event, GenerateResult):
+                return event.token_ids
+
+    async def together():
+        started = asyncio.Event()
+        head = asyncio.create_task(run(first, started))
+        await started.wait()
+        rest = await asyncio.gather(*(run(r) for r in later))
+        return [await head, *rest]
+
+    return asyncio.run(together())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_requests_with_one_system_prompt_share_its_blocks_and_get_the_same_tokens(
+    checkpoint_dir, make_chunks, family
+):
+    shared = Engine.from_pretrained(checkpoint_dir(family), check_layers=(1,))
+    alone = Engine.from_pretrained(checkpoint_dir(family), check_layers=(1,))
+    alone.scheduler.prefixes.capacity = 0  # the same engine without sharing in the pool
+    chunks = make_chunks(4, seed=51)
+    first = request(chunks[:2], max_tokens=16)
+    blended = request(chunks[2:], recompute_ratio=0.5)
+    prefix_cached = request(chunks[1:3], mode=Mode.PREFIX_CACHE)
+    full = request(chunks[:3], mode=Mode.FULL_PREFILL)
+    later = [blended, prefix_cached, full]
+    snapshots: list[list[tuple[GenerateRequest, list[int], int, list[int]]]] = []
+
+    def snapshot(_: StepRecord) -> None:
+        running: list[Job] = shared.scheduler.running
+        blocks = shared.scheduler.blocks
+        snapshots.append(
+            [
+                (
+                    s.request,
+                    list(s.block_table),
+                    s.num_shared_tokens,
+                    [blocks.refcount(b) for b in s.block_table],
+                )
+                for s in running
+            ]
+        )
+
+    shared.add_step_listener(snapshot)
+    try:
+        for engine in (shared, alone):
+            engine.precompute(chunks)
+        got = serve(shared, first, later)
+        want = serve(alone, first, later)
+        assert alone.scheduler.prefixes.num_blocks == 0
+    finally:
+        shared.close()
+        alone.close()
+    assert got == want
+
+    num_shared = len(shared.layout(first).prefix) // shared.runner.block_size
+    assert num_shared >= 3
+    all_four = [s for s in snapshots if len(s) == 4]
+    assert all_four, "the later requests ran beside the first"
+    by_request = {req: (table, n, refs) for req, table, n, refs in all_four[0]}
+    head = by_request[first][0][:num_shared]
+    for req in (blended, prefix_cached):
+        table, n, refs = by_request[req]
+        assert table[:num_shared] == head and n == num_shared * shared.runner.block_size
+        # The first, the two later ones, and the registry.
+        assert refs[:num_shared] == [4] * num_shared and set(refs[num_shared:]) == {1}
+    table, n, _ = by_request[full]
+    assert n == 0 and not set(table) & set(head)
