@@ -51,8 +51,8 @@ def together(engine, requests: list[GenerateRequest], per_step: float) -> tuple[
         with torch.inference_mode():
             advance_together(
                 [pausables[i] for i in live],
-                lambda k, prefill: done(live[k], prefill),
-                lambda k, exc: failed(live[k], exc),
+                lambda k, prefill, live=live: done(live[k], prefill),
+                lambda k, exc, live=live: failed(live[k], exc),
             )
     return results, steps
 
