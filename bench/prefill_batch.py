@@ -1,0 +1,164 @@
+"""Several prefills in one forward: 8 prompts arriving at once, prefilled side by side (their
+projections and MLPs batched per layer, engine/dense.py) against one after another.
+
+    .venv/bin/python bench/prefill_batch.py                  # CPU, llama-124m bf16, ~3 min
+    .venv/bin/python bench/prefill_batch.py --device cuda    # mistral-7b shape
+
+Per (mode, prompt length): `--arrivals` prompts of chunks from the store's memory tier plus a
+32-token question, prefilled by the engine's Prefiller under one unbounded step, timed
+round-robin (`--repeats` medians): one after another (each prompt's first token at its own
+end; the mean TTFT is the mean of those ends) and side by side (every first token at the end).
+Prints a table and writes bench/results/prefill_batch-<device>.csv.
+"""
+
+from __future__ import annotations
+
+import os
+
+# A CPU shared with other processes: OpenMP threads that spin at every barrier stall behind
+# the other processes' threads; passive waits do not.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from harness import (  # noqa: E402  # noqa: E402
+    SHAPES,
+    build_model,
+    build_store,
+    interleaved_medians,
+    store_chunks,
+    synchronize,
+    token_sampler,
+)
+
+from engine.budget import StepBudget, run_to_end  # noqa: E402
+from engine.dense import advance_together  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.prompt import PromptLayout  # noqa: E402
+from engine.types import GenerateRequest, Mode  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    prompt_tokens: int
+    arrivals: int
+    sequential_s: float
+    side_by_side_s: float
+    ratio: float  # side by side / sequential: the issue's target is <= 0.6 on a GPU
+    sequential_mean_ttft_s: float
+    side_by_side_mean_ttft_s: float
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shape", choices=SHAPES, help="default: llama-124m, mistral-7b on cuda")
+    parser.add_argument("--arrivals", type=int, default=8)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 12])
+    parser.add_argument("--modes", nargs="+", default=["full_prefill", "cacheblend"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.arrivals < 1 or args.repeats < 1 or min(args.chunks) < 1:
+        parser.error("--arrivals, --repeats and --chunks must be >= 1")
+    args.shape = args.shape or ("mistral-7b" if args.device == "cuda" else "llama-124m")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    loaded = build_model(args.shape, args.device, args.dtype)
+    engine = Engine(loaded, build_store(loaded), max_num_seqs=1, max_model_len=8192)
+    tokens = token_sampler(engine, seed=3)
+    prefix = engine.prompts.build("q", []).prefix
+    rows = []
+    try:
+        for num_chunks in args.chunks:
+            layouts = [
+                PromptLayout(
+                    prefix, tuple(tokens(args.chunk_tokens) for _ in range(num_chunks)), tokens(32)
+                )
+                for _ in range(args.arrivals)
+            ]
+            for layout in layouts:
+                store_chunks(engine, layout, fastest_tier=True)
+            for mode in [Mode(m) for m in args.modes]:
+                rows.append(measure(engine, mode, layouts, args))
+                print_row(rows[-1])
+    finally:
+        engine.close()
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"prefill_batch-{args.device}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    print(f"wrote {path.relative_to(RESULTS.parent.parent)}")
+
+
+def measure(engine: Engine, mode: Mode, layouts: list[PromptLayout], args) -> Row:
+    ratio = 0.15 if mode is Mode.CACHEBLEND else None
+    request = GenerateRequest(
+        question="q", chunks=(), mode=mode, recompute_ratio=ratio, max_tokens=1
+    )
+    prefiller, device = engine.prefiller, engine.device
+    ends: dict[str, list[float]] = {"sequential": [], "side by side": []}
+
+    def sequential() -> None:
+        start, ends["sequential"] = time.perf_counter(), []
+        for layout in layouts:
+            run_to_end(prefiller.request_steps(layout, request, StepBudget()))
+            synchronize(device)
+            ends["sequential"].append(time.perf_counter() - start)
+
+    def side_by_side() -> None:
+        start, budget = time.perf_counter(), StepBudget()
+        pausables = [prefiller.request_steps(layout, request, budget) for layout in layouts]
+
+        def failed(index: int, exc: Exception) -> None:
+            raise exc
+
+        with torch.inference_mode():
+            advance_together(pausables, lambda index, prefill: None, failed)
+        synchronize(device)
+        ends["side by side"] = [time.perf_counter() - start] * len(layouts)
+
+    timed = interleaved_medians(
+        {"sequential": (sequential, lambda: None), "side by side": (side_by_side, lambda: None)},
+        args.repeats,
+        device,
+    )
+    seq_s, side_s = timed["sequential"][0], timed["side by side"][0]
+    return Row(
+        mode=mode.value,
+        prompt_tokens=layouts[0].num_tokens,
+        arrivals=len(layouts),
+        sequential_s=seq_s,
+        side_by_side_s=side_s,
+        ratio=side_s / seq_s,
+        sequential_mean_ttft_s=sum(ends["sequential"]) / len(layouts),
+        side_by_side_mean_ttft_s=sum(ends["side by side"]) / len(layouts),
+    )
+
+
+def print_row(row: Row) -> None:
+    print(
+        f"{row.mode:12s} {row.arrivals} x {row.prompt_tokens:5d} tokens: sequential "
+        f"{row.sequential_s:7.3f} s, side by side {row.side_by_side_s:7.3f} s "
+        f"({row.ratio:.2f}x); mean TTFT {row.sequential_mean_ttft_s:.3f} vs "
+        f"{row.side_by_side_mean_ttft_s:.3f} s",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
