@@ -58,8 +58,6 @@ def _argument_type(annotation: Any) -> dict[str, Any]:
     if get_origin(annotation) is list:
         (item,) = get_args(annotation)
         return {"type": _comma_separated(item), "metavar": "A,B,..."}
-    if annotation is bool:
-        return {"type": _boolean, "metavar": "true|false"}
     if annotation in _SCALARS:
         return {"type": annotation}
     raise TypeError(f"no CLI flag for a setting of type {annotation!r}")
@@ -84,19 +82,6 @@ def _metavar(alternative: dict[str, Any]) -> str:
     if "choices" in alternative:
         return "|".join(map(str, alternative["choices"]))
     return alternative.get("metavar") or alternative["type"].__name__.upper()
-
-
-def _boolean(text: str) -> bool:
-    """true/false (and 1/0, yes/no, on/off), as pydantic reads the same setting from the env."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(text)
-
-
-_boolean.__name__ = "true|false"  # argparse's "invalid true|false value: 'x'"
 
 
 def _comma_separated(item: type) -> Callable[[str], list[Any]]:

@@ -53,6 +53,21 @@ def run_batch(work: list[Dense]) -> list[Any]:
     return list(head.ops.finish_layer(head.layer, h, attn_out).split(sizes))
 
 
+def side_by_side(num_tokens: list[int], limit: int) -> list[list[int]]:
+    """Prefills (indices, in order) grouped to run side by side: consecutive ones while their
+    prompts total at most `limit` tokens; one over it runs alone (limit 0: each alone)."""
+    groups: list[list[int]] = []
+    total = limit + 1
+    for index, tokens in enumerate(num_tokens):
+        if groups and total + tokens <= limit:
+            groups[-1].append(index)
+            total += tokens
+        else:
+            groups.append([index])
+            total = tokens
+    return groups
+
+
 def resume(pausable: Pausable[T], value: Any = None) -> tuple[bool, Dense | None, T | None]:
     """Send `value` (None: start or resume after a pause): (returned, its next work, result)."""
     try:

@@ -20,7 +20,7 @@ from engine.executor import Executor
 from engine.job import Event, Job, new_job
 from engine.layers import LayerOps
 from engine.model import LoadedModel, load_model
-from engine.options import EngineOptions, batch_prefills_default, batched_tokens_default
+from engine.options import EngineOptions, batched_tokens_default, prefill_batch_default
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
@@ -84,9 +84,9 @@ class Engine:
             cost.seconds_per_token * 1e6,
             cost.keys_per_token,
         )
-        batch = opts.batch_prefills
+        batch = opts.prefill_batch_tokens
         if batch is None:
-            batch = batch_prefills_default(loaded.device.type)
+            batch = prefill_batch_default(loaded.device.type)
         self.executor = Executor(
             self.prefiller, self.runner, self.shadow, self.chunks, post, cost, batch
         )

@@ -12,7 +12,7 @@ import torch
 
 from engine.budget import StepBudget
 from engine.chunks import ChunkPrecompute
-from engine.dense import advance_together
+from engine.dense import advance_together, side_by_side
 from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
@@ -34,7 +34,7 @@ class Executor:
         chunks: ChunkPrecompute,
         post: Postprocessor,
         cost: StepCost | None = None,
-        batch_prefills: bool = False,
+        batch_tokens: int = 0,
     ):
         self.prefiller = prefiller
         self.runner = runner
@@ -42,7 +42,7 @@ class Executor:
         self.chunks = chunks
         self.post = post
         # The budget every prefill in flight reads; each step refills it.
-        self.batch_prefills = batch_prefills
+        self.batch_tokens = batch_tokens
         cost = cost or StepCost()
         self.budget = StepBudget(
             keys_per_token=cost.keys_per_token, seconds_per_token=cost.seconds_per_token
@@ -71,8 +71,8 @@ class Executor:
 
     def prefill(self, step: Step[Job]) -> int:
         """Advance the step's prefills while its prefill tokens last (each token through every
-        layer): side by side with `batch_prefills`, their projections and MLPs of the same
-        layer run as one batch (engine/dense.py), else one after another in admission order;
+        layer), in admission order; consecutive ones whose prompts total at most `batch_tokens`
+        side by side, their projections and MLPs of the same layer as one batch (dense.py);
         the prompt tokens of those that completed. The KV streams of the new ones are opened
         first, in order, so the store's one loader reads ahead for all."""
         seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
@@ -109,7 +109,8 @@ class Executor:
             self.abandon(batch[index])
             self.post.fail(batch[index], exc)
 
-        batches = [seqs] if self.batch_prefills else [[seq] for seq in seqs]
+        tokens = [seq.num_prompt_tokens for seq in seqs]
+        batches = [[seqs[i] for i in group] for group in side_by_side(tokens, self.batch_tokens)]
         with torch.inference_mode():
             for batch in batches:
                 if self.budget.spent:

@@ -45,7 +45,7 @@ class EngineOptions:
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
     step_cost: StepCost | None = None  # what a prefill row costs a step; None: measured at start
-    batch_prefills: bool | None = None  # None: batch_prefills_default() of the device
+    prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers
@@ -70,12 +70,13 @@ def batched_tokens_default(device_type: str) -> int:
     return 128 if device_type == "cpu" else 2048
 
 
-def batch_prefills_default(device_type: str) -> bool:
-    """Prefills admitted together share one forward on a GPU, where 8 short prompts batched
-    cost little more than one; on the CPU the forward of one prompt already keeps the cores
-    busy, so batching would only delay the first of them to the last one's time
-    (bench/prefill_batch.py)."""
-    return device_type != "cpu"
+def prefill_batch_default(device_type: str) -> int:
+    """Prefills admitted together run side by side while their prompts total at most this
+    many tokens: 2048 on the CPU, where 8 prompts of 342 tokens side by side took 0.82x their
+    time one after another (full prefill; cacheblend 0.60x) but 8 of 3158 took 1.46x (one
+    prompt's forward already keeps the cores busy, and the batch only delays the first ones'
+    tokens; bench/prefill_batch.py). 16384 on a GPU, where a short prompt leaves it idle."""
+    return 2048 if device_type == "cpu" else 16384
 
 
 def default_selection(check_layers: tuple[int, ...]) -> Selection:

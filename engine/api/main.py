@@ -82,7 +82,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         kv_pool_bytes=None if settings.kv_pool_gb is None else int(settings.kv_pool_gb * GIB),
         max_prefill_tokens=settings.max_prefill_tokens,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        batch_prefills=settings.batch_prefills,
+        prefill_batch_tokens=settings.prefill_batch_tokens,
         default_penalties=settings.default_penalties,
         shadow=ShadowConfig(
             fraction=settings.shadow_fraction,

@@ -116,10 +116,13 @@ class EngineSettings(BaseSettings):
         description="tokens one engine step feeds the model, decodes first; prefills fill the "
         "rest and go on in the next step (default: 128 on the CPU, 2048 on a GPU)",
     )
-    batch_prefills: bool | None = Field(
+    prefill_batch_tokens: int | None = Field(
         None,
-        description="prefills admitted in one step share one forward, their projections and "
-        "MLPs batched per layer (default: on a GPU yes, on the CPU no)",
+        ge=0,
+        le=1_048_576,
+        description="prefills admitted together run side by side in one forward (projections "
+        "and MLPs batched per layer) while their prompts total at most this many tokens; 0: "
+        "one after another (default: 2048 on the CPU, 16384 on a GPU)",
     )
     recompute_ratio: RecomputeRatio | None = Field(
         None,

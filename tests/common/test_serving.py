@@ -68,17 +68,6 @@ def test_every_selection_is_a_choice_of_the_engines_flag():
         build_parser().parse_args([*args, "oracle"])
 
 
-@pytest.mark.parametrize(("text", "value"), [("true", True), ("off", False), ("0", False)])
-def test_a_boolean_setting_takes_true_or_false(text, value):
-    parsed = build_parser().parse_args(["engine", "--model", "m", "--batch-prefills", text])
-    assert settings_from_args(EngineSettings, parsed, "engine").batch_prefills is value
-
-
-def test_a_boolean_flag_refuses_other_words():
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["engine", "--model", "m", "--batch-prefills", "maybe"])
-
-
 def test_the_field_description_and_default_are_the_flag_help():
     parser = argparse.ArgumentParser()
     add_settings_flags(parser, RetrieverSettings)

@@ -235,8 +235,12 @@ def test_prefills_split_by_a_small_step_budget_decode_what_they_decode_alone(
 def test_once_a_prefill_of_an_idle_step_completes_the_next_prefill_keeps_to_the_budget(
     checkpoint_dir, make_chunks
 ):
+    # Prefills one after another (not side by side): the first one completes before the next.
     engine = Engine.from_pretrained(
-        checkpoint_dir("llama"), check_layers=(1,), max_num_batched_tokens=MIN_PREFILL_TOKENS
+        checkpoint_dir("llama"),
+        check_layers=(1,),
+        max_num_batched_tokens=MIN_PREFILL_TOKENS,
+        prefill_batch_tokens=0,
     )
     steps: list[StepRecord] = []
     try:

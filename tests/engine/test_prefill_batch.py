@@ -9,7 +9,7 @@ import torch
 
 from demo.tiny import FAMILIES
 from engine.budget import MIN_PIECE_ROWS, StepBudget
-from engine.dense import advance_together
+from engine.dense import advance_together, side_by_side
 from engine.engine import Engine
 from engine.prefill import Prefill
 from engine.types import GenerateRequest, Mode, StepRecord
@@ -99,10 +99,18 @@ def test_side_by_side_prefills_share_each_layers_projections(engine_for, make_ch
     assert calls[0] == sum(engine.layout(r).num_tokens for r in requests)
 
 
+def test_prefills_are_grouped_in_order_while_their_prompts_fit_the_limit():
+    assert side_by_side([100, 200, 300, 50, 900, 10], 600) == [[0, 1, 2], [3], [4], [5]]
+    assert side_by_side([700, 10, 10], 600) == [[0], [1, 2]]  # one over the limit runs alone
+    assert side_by_side([10, 10], 0) == [[0], [1]]
+
+
 def test_an_engine_that_batches_prefills_decodes_what_each_decodes_alone(
     checkpoint_dir, make_chunks
 ):
-    engine = Engine.from_pretrained(checkpoint_dir("llama"), check_layers=(1,), batch_prefills=True)
+    engine = Engine.from_pretrained(
+        checkpoint_dir("llama"), check_layers=(1,), prefill_batch_tokens=10_000
+    )
     steps: list[StepRecord] = []
     try:
         chunks = make_chunks(4, words=30, seed=33)
