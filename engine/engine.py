@@ -54,6 +54,8 @@ class Engine:
         self.runner = ModelRunner.sized(
             self.ops, opts.max_num_seqs, opts.max_model_len, opts.kv_pool_bytes
         )
+        if opts.cuda_graph_max_batch:
+            self.runner.use_cuda_graphs(opts.cuda_graph_max_batch)
         self.max_model_len = self.runner.max_model_len
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
         step_tokens = opts.max_num_batched_tokens or batched_tokens_default(loaded.device.type)

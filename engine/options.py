@@ -46,6 +46,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
     step_cost: StepCost | None = None  # what a prefill row costs a step; None: measured at start
     prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
+    cuda_graph_max_batch: int = 0  # decode steps of up to this many rows from CUDA graphs; 0: eager
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.blocks import DEFAULT_BLOCK_SIZE
+from engine.decode_step import DecodeGraphs, DecodeStep, bucket, build_step
 from engine.layers import LayerOps
 from engine.penalties import PenaltyState
 from kvstore.types import kv_token_bytes
@@ -104,14 +105,18 @@ class ModelRunner:
         self.ops = ops
         shape = ops.shape
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
-        pool_shape = (shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # One block more than the block manager hands out: the padding rows of a step padded to
+        # a bucket (engine/decode_step.py) write and read it, and nothing else does.
+        self.scratch = num_blocks
+        blocks = num_blocks + 1
+        pool_shape = (shape.num_layers, blocks, block_size, shape.num_kv_heads, shape.head_dim)
         # Zeros, not empty: a padded row multiplies masked-out values by exactly 0, and 0 * NaN
         # from uninitialised memory would poison it.
         try:
             self.keys = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
             self.values = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
         except RuntimeError as exc:  # torch.OutOfMemoryError is one
-            size = pool_bytes(ops, num_blocks * block_size) / 2**30
+            size = pool_bytes(ops, blocks * block_size) / 2**30
             raise ValueError(
                 f"the KV pool of {num_blocks} blocks x {block_size} positions ({size:.2f} GiB) "
                 f"does not fit on {ops.device}: lower kv_pool_gb, max_num_seqs or max_model_len"
@@ -122,6 +127,11 @@ class ModelRunner:
         # SDPA over gathered blocks elsewhere.
         self.per_row = ops.device.type == "cpu"
         self.max_view_runs = MAX_VIEW_RUNS
+        # Batched steps padded to buckets (what CUDA graphs replay; `bucketed` alone: the same
+        # padding, eagerly, which the CPU tests check).
+        self.graphs: DecodeGraphs | None = None
+        self.bucketed = False
+        self.max_width = -(-max_model_len // block_size)
         vocab_size = ops.model.lm_head.weight.shape[0]  # the width of the logits
         # One row per lane: the small id each running sequence holds (engine/scheduler.py).
         self.penalties = PenaltyState(num_lanes, vocab_size, ops.device)
@@ -157,6 +167,15 @@ class ModelRunner:
         flat_keys[:, rows] = keys[:, :, start:].transpose(1, 2)
         flat_values[:, rows] = values[:, :, start:].transpose(1, 2)
 
+    def use_cuda_graphs(self, max_batch: int) -> None:
+        """Replay the batched decode step from CUDA graphs for up to `max_batch` rows."""
+        if self.ops.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.ops.device}")
+        self.per_row, self.bucketed = False, True
+        self.graphs = DecodeGraphs(
+            lambda step: self.forward(step, (step.table, step.masks)), max_batch, self.max_width
+        )
+
     @torch.inference_mode()
     def decode(
         self, tables: list[list[int]], positions: list[int], token_ids: list[int]
@@ -166,24 +185,51 @@ class ModelRunner:
 
         The blocks of row b must hold the KV of positions 0..positions[b]-1; the new K/V are
         written at positions[b], in place, and each row attends over its own positions (and
-        sliding window): `_attend_rows` on the CPU, `_attend_batched` elsewhere.
+        sliding window): `_attend_rows` on the CPU, `_attend_batched` elsewhere, its step
+        padded to a bucket and replayed from a CUDA graph where `use_cuda_graphs` said so.
         """
-        ops, device, shape = self.ops, self.ops.device, self.ops.shape
-        batch, size = len(tables), self.block_size
-        pos = torch.tensor(positions, device=device)
-        new_rows = torch.tensor(
-            [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)],
-            device=device,
+        batch, shape = len(tables), None
+        if self.bucketed:
+            width = max(p // self.block_size for p in positions) + 1
+            graphs = self.graphs
+            shape = graphs.shape(batch, width) if graphs else bucket(batch, width, self.max_width)
+        step = self.step(tables, positions, token_ids, shape)
+        if self.graphs is not None and shape is not None:
+            return self.graphs.run(step)[:batch]
+        reads = self._row_reads(tables, positions) if self.per_row else (step.table, step.masks)
+        return self.forward(step, reads)[:batch]
+
+    def step(
+        self,
+        tables: list[list[int]],
+        positions: list[int],
+        token_ids: list[int],
+        shape: tuple[int, int] | None = None,
+    ) -> DecodeStep:
+        """The step's inputs on the device (`build_step`); no masks for per-row reads."""
+        return build_step(
+            tables,
+            positions,
+            token_ids,
+            block_size=self.block_size,
+            scratch=self.scratch,
+            windows=set() if self.per_row else set(self.ops.windows),
+            device=self.ops.device,
+            shape=shape,
         )
-        reads = self.reads(tables, positions)
-        cos, sin = self.cos[pos], self.sin[pos]  # [B, D]
-        h = ops.embed(torch.tensor(token_ids, device=device))  # [B, d]
+
+    def forward(self, step: DecodeStep, reads: Reads) -> torch.Tensor:
+        """The decode layer loop over `step`'s rows; logits [rows, vocab] (float32)."""
+        ops, shape = self.ops, self.ops.shape
+        batch = step.token_ids.shape[0]
+        cos, sin = self.cos[step.pos], self.sin[step.pos]  # [B, D]
+        h = ops.embed(step.token_ids)  # [B, d]
         for i in range(shape.num_layers):
             q, k, v = ops.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
             q = ops.rotate(q, cos, sin)
             k = ops.rotate(k, cos, sin)
-            self.keys[i].flatten(0, 1)[new_rows] = k.transpose(0, 1)
-            self.values[i].flatten(0, 1)[new_rows] = v.transpose(0, 1)
+            self.keys[i].flatten(0, 1)[step.new_rows] = k.transpose(0, 1)
+            self.values[i].flatten(0, 1)[step.new_rows] = v.transpose(0, 1)
             # One query per sequence: the G query heads of a KV group attend as G rows over the
             # same keys, which needs no GQA support from the kernel.
             q_rows = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
@@ -195,7 +241,8 @@ class ModelRunner:
         """What `attention` reads for rows whose last positions are `positions`."""
         if self.per_row:
             return self._row_reads(tables, positions)
-        return self._batched_reads(tables, torch.tensor(positions, device=self.ops.device))
+        step = self.step(tables, positions, [0] * len(tables))
+        return step.table, step.masks
 
     def attention(self, i: int, q_rows: torch.Tensor, reads: Reads) -> torch.Tensor:
         """Layer i's attention of queries [B, H_kv, G, D] over each row's keys; [B, H_kv, G, D]."""
@@ -245,25 +292,6 @@ class ModelRunner:
             else:
                 outs.append(_attend_runs(q, keys, values, _last(read, window), scale)[0])
         return torch.stack(outs)  # [B, H_kv, G, D]
-
-    def _batched_reads(
-        self, tables: list[list[int]], pos: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[int | None, torch.Tensor]]:
-        """Every row's blocks up to the longest context, [B, W] (short tables padded with block
-        0, masked out), and each row's mask [B, 1, 1, T] per sliding window of the model, built
-        once per step for every layer."""
-        device, size = self.ops.device, self.block_size
-        width = int(pos.max()) // size + 1
-        table = torch.tensor(
-            [t[:width] + [0] * (width - len(t[:width])) for t in tables], device=device
-        )
-        key_pos = torch.arange(width * size, device=device)[None, :]
-        causal = key_pos <= pos[:, None]
-        masks = {
-            window: causal if window is None else causal & (key_pos > pos[:, None] - window)
-            for window in set(self.ops.windows)
-        }
-        return table, {window: mask[:, None, None] for window, mask in masks.items()}
 
     def _attend_batched(
         self,

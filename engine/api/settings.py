@@ -124,6 +124,13 @@ class EngineSettings(BaseSettings):
         "and MLPs batched per layer) while their prompts total at most this many tokens; 0: "
         "one after another (default: 2048 on the CPU, 16384 on a GPU)",
     )
+    cuda_graph_max_batch: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="replay decode steps of up to this many sequences from CUDA graphs, "
+        "captured per batch and context bucket at first use (a GPU only; 0: eager)",
+    )
     recompute_ratio: RecomputeRatio | None = Field(
         None,
         description="fixed ratio of requests that set none, or auto: the check layer keeps the "

@@ -1,6 +1,6 @@
 """Paged decode against the slot decode it replaces: the same logits and the same KV for a batch
 of mixed lengths, blocks shuffled through the pool, in runs, or behind a shared prompt prefix,
-by both attention paths."""
+by every attention path (per row, batched, batched and padded to a CUDA graph's bucket)."""
 
 from __future__ import annotations
 
@@ -61,10 +61,10 @@ def paged_kv(runner: ModelRunner, table: list[int], n: int) -> tuple[torch.Tenso
     return keys, runner.values.flatten(1, 2)[:, rows].transpose(1, 2)
 
 
-@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "batched"])
+@pytest.mark.parametrize("path", ["per-row", "batched", "bucketed"])
 @pytest.mark.parametrize("blocks", ["shuffled", "runs", "shared-prefix"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, blocks, per_row):
+def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, blocks, path):
     engine = engine_for(family)
     prompts = [make_chunks(4, words=40, seed=31), make_chunks(1, seed=32), make_chunks(2, seed=33)]
     kvs = [prompt_kv(engine, chunks) for chunks in prompts]
@@ -74,7 +74,9 @@ def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, b
     slots = SlotPool(engine.ops, len(kvs), model_len)
     num_blocks = 3 * len(kvs) * -(-model_len // BLOCK_SIZE)  # room to scatter
     paged = ModelRunner(engine.ops, num_blocks, BLOCK_SIZE, model_len, num_lanes=1)
-    paged.per_row = per_row  # both attention paths, whatever the device picks
+    # Every attention path, whatever the device picks; bucketed: the batched one with its
+    # rows and blocks padded to a bucket, as a CUDA graph replays it.
+    paged.per_row, paged.bucketed = path == "per-row", path == "bucketed"
     seed = FAMILIES.index(family) if blocks == "shuffled" else None
     # Every prompt starts with the same template and system prompt: its full blocks, held once.
     prefix = len(engine.layout(GenerateRequest(question="q", chunks=prompts[0])).prefix)
@@ -102,3 +104,6 @@ def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, b
     for slot, (table, n) in enumerate(zip(tables, positions, strict=True)):
         for got_kv, want_kv in zip(paged_kv(paged, table, n), slots.kv(slot, n), strict=True):
             torch.testing.assert_close(got_kv, want_kv, rtol=RTOL, atol=ATOL)
+    # No block outside the tables was written: padding rows write the scratch block only.
+    untouched = sorted(set(range(num_blocks)) - {b for t in tables for b in t})
+    assert not paged.keys[:, untouched].any() and not paged.values[:, untouched].any()
