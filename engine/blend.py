@@ -104,6 +104,7 @@ def prefill_steps(
 
     positions = sorted(plan.always_computed_positions + (plan.blend_positions if blending else []))
     computed = _Computed(ops, positions, cos, sin, streamed_spans)
+    num_first = len(positions)
     h = ops.embed(torch.tensor(plan.token_ids, device=device)[computed.active])
 
     first_needed = plan.first_streamed_layer
@@ -153,8 +154,11 @@ def prefill_steps(
             )
             paused += attend_paused
         else:
+            # A layer over every token this prefill computes (none dropped by a check yet)
+            # paces the step budget's time allowance.
+            every_row = len(positions) == num_first
             h, paused = yield from _pieces(
-                ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope
+                ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope, every_row
             )
         layer_computes.append(
             LayerCompute(i, compute_start, time.perf_counter(), num_computed, paused)
@@ -205,10 +209,10 @@ def _project_all(
     parts, start, paused, num_rows = [], 0, 0.0, h.shape[0]
     while start < num_rows:
         paused += yield from wait(budget)
-        end, cost = budget.piece(computed.positions, start, attends=False)
+        end = start + budget.piece(num_rows - start)
         part = computed if end - start == num_rows else computed.part(ops, start, end)
         parts.append((yield from _project(ops, i, h[start:end], cache, pre_rope, part)))
-        budget.spend(cost)
+        budget.spend(end - start)
         start = end
     if len(parts) == 1:
         return parts[0], paused
@@ -225,15 +229,18 @@ def _pieces(
     budget: StepBudget,
     q: torch.Tensor | None = None,
     pre_rope: torch.Tensor | None = None,
+    every_row: bool = False,
 ) -> Pausable[tuple[torch.Tensor, float]]:
     """Layer i over the computed rows, piece by piece in position order, each attending over
     every key up to its last position; its output and the seconds paused between pieces.
     Without `q` (a check layer projected every row already) a piece first projects its rows
-    and writes their KV."""
+    and writes their KV. `every_row`: the rows are every prompt token; each piece's time
+    teaches the budget its pace."""
     outputs, start, paused = [], 0, 0.0
     while start < h.shape[0]:
         paused += yield from wait(budget)
-        end, cost = budget.piece(computed.positions, start, ops.windows[i])
+        piece_start = time.perf_counter()
+        end = start + budget.piece(h.shape[0] - start)
         part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
         if q is None:
             q_part = (yield from _project(ops, i, h[start:end], cache, pre_rope, part))[0]
@@ -241,7 +248,8 @@ def _pieces(
             q_part = q[:, start:end]
         attn_out = ops.attend(i, q_part, *cache, part.attention)
         outputs.append((yield Dense(ops, i, h[start:end], attn_out)))
-        budget.spend(cost)
+        budget.observe(end - start, time.perf_counter() - piece_start, every_row)
+        budget.spend(end - start)
         start = end
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), paused
 

@@ -19,30 +19,36 @@ T = TypeVar("T")
 MIN_PIECE_ROWS = 16
 
 
+# The weight of a new measurement in the running seconds per token-layer.
+SMOOTHING = 0.2
+
+
 @dataclass
 class StepBudget:
     """Token-layers (one token through one decoder layer) a prefill may still compute in this
     step; infinite when nothing decodes, so a lone prefill runs whole, exactly as unpaused.
 
-    A row's attention counts too: a row that attends over n keys costs 1 + n / keys_per_token
-    token-layers, where `keys_per_token` is how many keys one row reads for the price of its
-    dense work. With `seconds_per_token` (a row's dense work through a layer) a step's budget
-    is also a time allowance, its token-layers x seconds_per_token: the step's prefill work
-    ends when either is spent, so work the counts leave out (a blend's streamed KV put in
-    place, its check, kernels slower than the probe's) still ends the step in time. On a
-    device that runs kernels asynchronously the host's clock sees little and the counts rule.
-    engine/step_cost.py measures both; the defaults count rows alone. Counting rows alone, a
-    blend's step (its rows attend over the whole prompt) took twice a full prefill's time on
-    the CPU."""
+    The budget is also a time allowance: its token-layers x the seconds a token-layer takes
+    where a layer computes every prompt token (a full prefill's layers, a blend's before its
+    first check), learnt from such pieces of bounded steps as they run (`observe`). The step's
+    prefill work ends when either is spent. A blend's rows after its first check cost more
+    each (they attend over the whole prompt, its streamed KV is put in place, its check runs):
+    counted by rows alone its steps took ~1.5x a full prefill's on the CPU; the allowance
+    holds them to a full prefill's time. Until a piece was measured, and where kernels run
+    asynchronously (the host's clock sees little of them), the count rules."""
 
     left: float = math.inf
-    keys_per_token: float = math.inf
-    seconds_per_token: float = 0.0
+    seconds_per_token: float = 0.0  # learnt by `observe`; 0: not yet
     deadline_s: float = math.inf  # perf_counter time the allowance ends
+    shared: bool = False  # prefills side by side: a piece's time holds the others' work too
+    # Running sums of the measured pieces' token-layers and seconds (`observe`).
+    _measured: tuple[float, float] = (0.0, 0.0)
+    _last_pace: float = 0.0  # seconds per token-layer of the last piece measured
 
     def refill(self, token_layers: float) -> None:
         """A new step's budget: `token_layers` to spend, and as much time as they take."""
         self.left, self.deadline_s = token_layers, self._deadline(token_layers)
+        self._last_pace = 0.0
 
     def bound(self, token_layers: float) -> None:
         """Spend at most `token_layers` more (and their time) from now."""
@@ -58,31 +64,37 @@ class StepBudget:
     def spent(self) -> bool:
         return self.left <= 0 or time.perf_counter() >= self.deadline_s
 
-    def piece(
-        self, positions: list[int], start: int, window: int | None = None, attends: bool = True
-    ) -> tuple[int, float]:
-        """The end of the next piece of a layer's rows at `positions[start:]` (sorted) and its
-        cost: rows while the budget and the time left last, at least MIN_PIECE_ROWS (so a
-        piece may overshoot by less than that many rows). `attends=False`: rows only projected
-        (a check layer's)."""
+    def piece(self, rows_left: int) -> int:
+        """How many of a layer's remaining rows the next piece computes: as many as the count
+        and the time left allow, at least MIN_PIECE_ROWS (it may overshoot by fewer)."""
         left = self.left
-        if self.seconds_per_token > 0.0 and not math.isinf(self.deadline_s):
-            left = min(left, (self.deadline_s - time.perf_counter()) / self.seconds_per_token)
+        if not math.isinf(self.deadline_s):
+            pace = max(self.seconds_per_token, self._last_pace)
+            left = min(left, (self.deadline_s - time.perf_counter()) / pace)
         if math.isinf(left):
-            return len(positions), 0.0
-        per_key = 0.0 if not attends or math.isinf(self.keys_per_token) else 1 / self.keys_per_token
-        end, cost = start, 0.0
-        for position in positions[start:]:
-            keys = position + 1 if window is None else min(position + 1, window)
-            row = 1.0 + keys * per_key
-            if end - start >= MIN_PIECE_ROWS and cost + row > left:
-                break
-            cost += row
-            end += 1
-        return end, cost
+            return rows_left
+        return min(rows_left, max(math.ceil(left), MIN_PIECE_ROWS))
 
-    def spend(self, token_layers: float) -> None:
+    def spend(self, token_layers: int) -> None:
         self.left -= token_layers
+
+    def observe(self, token_layers: int, seconds: float, every_row: bool = False) -> None:
+        """A piece of `token_layers` took `seconds`: the next piece is sized by its pace (if
+        slower than the learnt one). `every_row`: its layer computes every token of the
+        prefill; the budget learns that pace, weighted by the pieces' sizes (a piece's fixed
+        costs weigh on a small one), from pieces of bounded steps only (a whole layer runs
+        faster per token than the pieces a bounded step computes) and of one prefill at a
+        time."""
+        if math.isinf(self.left) or self.shared or token_layers <= 0:
+            return
+        self._last_pace = seconds / token_layers
+        if not every_row:
+            return
+        tokens, seconds_sum = self._measured
+        tokens = (1 - SMOOTHING) * tokens + SMOOTHING * token_layers
+        seconds_sum = (1 - SMOOTHING) * seconds_sum + SMOOTHING * seconds
+        self._measured = tokens, seconds_sum
+        self.seconds_per_token = seconds_sum / tokens
 
 
 def wait(budget: StepBudget) -> Pausable[float]:

@@ -3,7 +3,6 @@ many requests at once (scheduler.py picks each step, executor.py runs it on the 
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -27,13 +26,10 @@ from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.shadow import Shadow
-from engine.step_cost import measure_step_cost
 from engine.streaming import Generation
 from engine.types import Chunk, GenerateRequest, GenerateResult, PrecomputeResult, StepRecord
 from engine.worker import Worker
 from kvstore.store import KVStore, KVStoreConfig
-
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -80,18 +76,10 @@ class Engine:
             self.prompts, self.prefiller, store, self.worker, self.max_model_len
         )
         post = Postprocessor(self.eos_ids, self.runner.penalties)
-        cost = opts.step_cost or measure_step_cost(self.ops)
-        log.info(
-            "a prefill row costs a step %.1f us, and its attention over %.0f keys as much",
-            cost.seconds_per_token * 1e6,
-            cost.keys_per_token,
-        )
         batch = opts.prefill_batch_tokens
         if batch is None:
             batch = prefill_batch_default(loaded.device.type)
-        self.executor = Executor(
-            self.prefiller, self.runner, self.shadow, self.chunks, post, cost, batch
-        )
+        self.executor = Executor(self.prefiller, self.runner, self.shadow, self.chunks, post, batch)
 
     @classmethod
     def from_pretrained(

@@ -19,7 +19,6 @@ from engine.prefill import Prefill, Prefiller
 from engine.runner import ModelRunner
 from engine.scheduler import Step
 from engine.shadow import Shadow
-from engine.step_cost import StepCost
 from engine.types import StepRecord
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,6 @@ class Executor:
         shadow: Shadow,
         chunks: ChunkPrecompute,
         post: Postprocessor,
-        cost: StepCost | None = None,
         batch_tokens: int = 0,
     ):
         self.prefiller = prefiller
@@ -43,10 +41,7 @@ class Executor:
         self.post = post
         # The budget every prefill in flight reads; each step refills it.
         self.batch_tokens = batch_tokens
-        cost = cost or StepCost()
-        self.budget = StepBudget(
-            keys_per_token=cost.keys_per_token, seconds_per_token=cost.seconds_per_token
-        )
+        self.budget = StepBudget()
 
     def run(self, step: Step[Job]) -> StepRecord:
         """The step's decode, then its prefills within the tokens it leaves them, each timed."""
@@ -115,6 +110,7 @@ class Executor:
             for batch in batches:
                 if self.budget.spent:
                     break
+                self.budget.shared = len(batch) > 1
                 advance_together(
                     [seq.prefill_steps for seq in batch],  # type: ignore[misc]
                     partial(done, batch),

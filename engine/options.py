@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from engine.selection import Selection
 from engine.shadow import ShadowConfig
-from engine.step_cost import StepCost
 from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, Penalties
 
 
@@ -44,7 +43,6 @@ class EngineOptions:
     kv_pool_bytes: int | None = None
     max_prefill_tokens: int = 8192
     max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
-    step_cost: StepCost | None = None  # what a prefill row costs a step; None: measured at start
     prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
     cuda_graph_max_batch: int = 0  # decode steps of up to this many rows from CUDA graphs; 0: eager
     kv_read_delay_s: float = 0.0

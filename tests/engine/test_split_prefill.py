@@ -21,11 +21,9 @@ def request(chunks, **overrides) -> GenerateRequest:
     return GenerateRequest(question="which vo is zuka?", chunks=chunks, max_tokens=4, **overrides)
 
 
-def split(
-    engine, req: GenerateRequest, per_step: int, keys_per_token: float = math.inf
-) -> tuple[Prefill, int]:
+def split(engine, req: GenerateRequest, per_step: int) -> tuple[Prefill, int]:
     """The prefill driven one step at a time with `per_step` token-layers; its pauses."""
-    budget = StepBudget(per_step, keys_per_token)
+    budget = StepBudget(per_step)
     steps = engine.prefiller.request_steps(engine.layout(req), req, budget)
     pauses = 0
     while True:
@@ -68,45 +66,54 @@ def test_a_split_prefill_equals_the_whole_one(engine_for, make_chunks, family, o
     assert pieces.blend == whole.blend
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mode", [Mode.FULL_PREFILL, Mode.CACHEBLEND])
-def test_a_prefill_split_by_attention_cost_equals_the_whole_one(
-    engine_for, make_chunks, family, mode
-):
-    engine = engine_for(family, (1, 2))
-    chunks = make_chunks(4, seed=8)
-    engine.precompute(chunks)
-    req = request(chunks, mode=mode, recompute_ratio=0.3 if mode is Mode.CACHEBLEND else None)
-    unweighted = split(engine, req, 4 * MIN_PIECE_ROWS)
-    weighted = split(engine, req, 4 * MIN_PIECE_ROWS, keys_per_token=8)
-    assert weighted[1] > unweighted[1]  # rows that attend over more keys fill a step sooner
-    assert_same(weighted[0], engine.prefill(req))
-
-
-def test_a_row_costs_one_token_plus_its_keys_over_keys_per_token():
-    budget = StepBudget(left=100, keys_per_token=10)
-    row_cost = [1 + (p + 1) / 10 for p in range(200)]
-    end, cost = budget.piece(list(range(200)), 0)
-    assert cost == pytest.approx(sum(row_cost[:end]))
-    assert cost <= 100 < cost + row_cost[end]  # as many rows as the budget pays for
-    assert end > MIN_PIECE_ROWS
-    late = list(range(1000, 1100))
-    end, cost = budget.piece(late, 0)
-    assert end == MIN_PIECE_ROWS  # each costs > 100: the least a piece computes
-    assert cost == pytest.approx(sum(1 + (p + 1) / 10 for p in late[:MIN_PIECE_ROWS]))
-    windowed = budget.piece(late, 0, window=10)
-    assert windowed == (50, 100.0)  # a sliding window caps the keys each row reads at 10
-
-
 def test_a_step_ends_when_its_time_allowance_is_spent():
     budget = StepBudget(seconds_per_token=1.0)
     budget.refill(100)  # 100 s of work: the count rules
     assert not budget.spent
-    assert budget.piece(list(range(50)), 0)[0] == 50
+    assert budget.piece(50) == 50
     budget.refill(0.02)
     time.sleep(0.05)
     assert budget.spent and budget.left > 0  # the time ran out before the count
-    assert budget.piece(list(range(50)), 0)[0] == MIN_PIECE_ROWS
+    assert budget.piece(50) == MIN_PIECE_ROWS
+
+
+def test_the_budget_learns_its_pace_from_pieces_of_one_prefill_in_bounded_steps():
+    budget = StepBudget()
+    budget.observe(100, 1.0, every_row=True)  # an unbounded step: whole layers run faster per token
+    assert budget.seconds_per_token == 0.0
+    budget.refill(200)
+    budget.observe(100, 1.0, every_row=True)
+    assert budget.seconds_per_token == pytest.approx(0.01)
+    budget.observe(20, 1.0, every_row=True)  # a small piece: its fixed costs weigh by its size only
+    sums = (0.8 * 20 + 0.2 * 20, 0.8 * 0.2 + 0.2 * 1.0)  # running token-layers and seconds
+    assert budget.seconds_per_token == pytest.approx(sums[1] / sums[0])
+    pace = budget.seconds_per_token
+    budget.shared = True  # side by side: a piece's time holds the others' work
+    budget.observe(100, 9.0, every_row=True)
+    assert budget.seconds_per_token == pace
+    budget.shared = False
+    budget.refill(100)
+    assert budget.deadline_s - time.perf_counter() == pytest.approx(100 * pace, abs=0.1)
+    budget.observe(10, 10 * 4 * pace)  # a blend's piece, 4x the pace: sized by it, not learnt
+    assert budget.seconds_per_token == pace
+    assert budget.piece(10_000) == pytest.approx(100 / 4, abs=2)
+
+
+def test_a_blend_and_a_full_prefill_teach_the_budget_from_their_full_layers(
+    engine_for, make_chunks
+):
+    engine = engine_for("llama", (1, 2))
+    chunks = make_chunks(4, seed=10)
+    engine.precompute(chunks)
+    for mode in (Mode.FULL_PREFILL, Mode.CACHEBLEND):
+        req = request(chunks, mode=mode, recompute_ratio=0.3 if mode is Mode.CACHEBLEND else None)
+        budget = StepBudget()
+        steps = engine.prefiller.request_steps(engine.layout(req), req, budget)
+        done = False
+        while not done:
+            budget.refill(4 * MIN_PIECE_ROWS)
+            done, _ = advance(steps)
+        assert budget.seconds_per_token > 0.0, mode
 
 
 def test_a_check_layer_projects_its_rows_in_pieces(engine_for, make_chunks):
