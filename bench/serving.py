@@ -15,7 +15,8 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
    still unanswered are cancelled and count with the TTFT they had reached (a lower bound).
    Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed, refused
    (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
-   every admitted request completes, TPOT p99 <= 3x unloaded, tokens/s >= the lower rates'.
+   every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before that
+   point, tokens/s >= the lower rates'.
 2. Decode throughput: one batched decode step (`engine.runner.decode`) at 1, 4, 16 and 64
    sequences of ~3.2K context, tokens/s and the ratio to batch 1.
 3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention

@@ -140,7 +140,14 @@ def serving(
                 ]
                 rate, how = sustained_rate(config_points, config.unloaded.ttft_s)
                 for factor, at in overload_rates(rate, args.overload_factors):
-                    config_points.append(measure_point(config, workload, args, at, factor))
+                    # The target's TPOT bound is a multiple of a baseline measured right before
+                    # it: the machine's speed drifts over the minutes since the first one.
+                    baseline = math.nan
+                    if math.isclose(factor, TARGET_FACTOR):
+                        baseline = measure_unloaded(engine, workload, mode, args).tpot_s
+                    point = measure_point(config, workload, args, at, factor)
+                    point.unloaded_tpot_s = baseline
+                    config_points.append(point)
                 points += config_points
                 summary.append(
                     {
