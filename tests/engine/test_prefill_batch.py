@@ -14,8 +14,7 @@ from engine.engine import Engine
 from engine.prefill import Prefill
 from engine.types import GenerateRequest, Mode, StepRecord
 from tests.engine.test_batching import generate_in_one_step
-
-RTOL, ATOL = 1e-4, 1e-5  # float32 rounding: batched matmuls have other shapes
+from tests.engine.test_split_prefill import assert_same  # float32 rounding, as pieces
 
 MODES = [
     {"mode": Mode.FULL_PREFILL},
@@ -55,13 +54,6 @@ def together(engine, requests: list[GenerateRequest], per_step: float) -> tuple[
                 lambda k, exc, live=live: failed(live[k], exc),
             )
     return results, steps
-
-
-def assert_same(a: Prefill, b: Prefill) -> None:
-    torch.testing.assert_close(a.output.logits, b.output.logits, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(a.output.keys, b.output.keys, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(a.output.values, b.output.values, rtol=RTOL, atol=ATOL)
-    assert a.output.num_selected == b.output.num_selected
 
 
 @pytest.mark.parametrize("family", FAMILIES)
