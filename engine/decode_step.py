@@ -43,15 +43,16 @@ def build_step(
     *,
     block_size: int,
     scratch: int,
-    windows: set[int | None],
+    windows: set[int | None] | None,
     device: torch.device,
     shape: tuple[int, int] | None = None,
 ) -> DecodeStep:
     """The step's inputs for the real rows, padded to `shape` (batch, width in blocks) when
     given: short tables with the `scratch` block (masked out), and padding rows of token 0 at
     position 0 of the scratch block, which they alone write and read (a block the block
-    manager never hands out), so no real sequence's KV is touched."""
-    width = max(p // block_size for p in positions) + 1
+    manager never hands out), so no real sequence's KV is touched. `windows` None: no block
+    table or masks (rows that read their blocks as views, the CPU's per-row attention)."""
+    width = 0 if windows is None else max(p // block_size for p in positions) + 1
     batch, width = shape or (len(tables), width)
     pad = batch - len(tables)
     rows = [t[:width] + [scratch] * (width - len(t[:width])) for t in tables]
@@ -68,13 +69,13 @@ def build_step(
         window: (causal if window is None else causal & (key_pos > pos[:, None] - window))[
             :, None, None
         ]
-        for window in windows
+        for window in windows or ()
     }
     return DecodeStep(
         torch.tensor(token_ids + [0] * pad, device=device),
         pos,
         torch.tensor(new_rows, device=device),
-        torch.tensor(rows, device=device),
+        torch.tensor(rows, dtype=torch.long, device=device).view(batch, width),
         masks,
     )
 

@@ -57,7 +57,7 @@ def side_by_side(num_tokens: list[int], limit: int) -> list[list[int]]:
     """Prefills (indices, in order) grouped to run side by side: consecutive ones while their
     prompts total at most `limit` tokens; one over it runs alone (limit 0: each alone)."""
     groups: list[list[int]] = []
-    total = limit + 1
+    total = 0
     for index, tokens in enumerate(num_tokens):
         if groups and total + tokens <= limit:
             groups[-1].append(index)

@@ -206,14 +206,15 @@ class ModelRunner:
         token_ids: list[int],
         shape: tuple[int, int] | None = None,
     ) -> DecodeStep:
-        """The step's inputs on the device (`build_step`); no masks for per-row reads."""
+        """The step's inputs on the device (`build_step`); no block table or masks for per-row
+        reads."""
         return build_step(
             tables,
             positions,
             token_ids,
             block_size=self.block_size,
             scratch=self.scratch,
-            windows=set() if self.per_row else set(self.ops.windows),
+            windows=None if self.per_row else set(self.ops.windows),
             device=self.ops.device,
             shape=shape,
         )

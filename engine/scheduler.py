@@ -31,7 +31,7 @@ MIN_PREFILL_TOKENS = 16
 @dataclass
 class Step(Generic[S]):
     """What one engine step runs: a token for each of `decodes`, then `prefills` (admitted
-    together) side by side within the tokens `budget` leaves them."""
+    together) within the tokens `budget` leaves them."""
 
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)
