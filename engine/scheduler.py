@@ -54,6 +54,15 @@ class Step(Generic[S]):
         return max(self.max_num_batched_tokens - num_decoding, MIN_PREFILL_TOKENS)
 
 
+@dataclass(frozen=True)
+class PoolUse:
+    """The KV pool's blocks by holder, counted at one moment."""
+
+    in_use: int  # held by running sequences (each shared block once): not reclaimable
+    prefix_shared: int  # held by registered prefixes and by running sequences that share them
+    prefix_idle: int  # held only by prefixes no sequence shares: admission gives them back
+
+
 class Scheduler(Generic[S]):
     """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first (None: no
     bound; a step with decodes then runs its prefills whole). `max_prefill_tokens` bounds the
@@ -153,6 +162,12 @@ class Scheduler(Generic[S]):
             blocks -= need
             count += 1
         return count, blocks + sum(idle.values())
+
+    def pool_use(self) -> PoolUse:
+        """The pool's blocks that running sequences hold, and those of the shared prefixes."""
+        idle = self.prefixes.num_idle_blocks()
+        in_use = self.blocks.num_blocks - self.blocks.num_free_blocks - idle
+        return PoolUse(in_use, self.prefixes.num_blocks - idle, idle)
 
     def schedule(self) -> Step[S]:
         """The next step: every sequence whose prompt is cached decodes; the prefills in flight
