@@ -24,7 +24,7 @@ from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
 from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import PoolUse, Scheduler
 from engine.shadow import Shadow
 from engine.streaming import Generation
 from engine.types import Chunk, GenerateRequest, GenerateResult, PrecomputeResult, StepRecord
@@ -122,6 +122,12 @@ class Engine:
         the engine lock, which the worker holds only between steps, never while the model runs."""
         with self._lock:
             return self.estimate.wait_for(self.scheduler)
+
+    def kv_pool_use(self) -> PoolUse:
+        """The KV pool's blocks by holder (Scheduler.pool_use), counted under the engine lock:
+        the shared prefixes' entries change on the worker thread."""
+        with self._lock:
+            return self.scheduler.pool_use()
 
     def add_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
         """Call `listener` on the worker thread after every engine step."""

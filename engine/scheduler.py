@@ -54,6 +54,15 @@ class Step(Generic[S]):
         return max(self.max_num_batched_tokens - num_decoding, MIN_PREFILL_TOKENS)
 
 
+@dataclass(frozen=True)
+class PoolUse:
+    """The KV pool's blocks by holder, counted at one moment."""
+
+    in_use: int  # held by running sequences (each shared block once): not reclaimable
+    prefix_shared: int  # held by registered prefixes and by running sequences that share them
+    prefix_idle: int  # held only by prefixes no sequence shares: admission gives them back
+
+
 class Scheduler(Generic[S]):
     """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first (None: no
     bound; a step with decodes then runs its prefills whole). `max_prefill_tokens` bounds the
@@ -154,15 +163,19 @@ class Scheduler(Generic[S]):
             count += 1
         return count, blocks + sum(idle.values())
 
+    def pool_use(self) -> PoolUse:
+        """The pool's blocks that running sequences hold, and those of the shared prefixes."""
+        idle = self.prefixes.num_idle_blocks()
+        in_use = self.blocks.num_blocks - self.blocks.num_free_blocks - idle
+        return PoolUse(in_use, self.prefixes.num_blocks - idle, idle)
+
     def schedule(self) -> Step[S]:
         """The next step: every sequence whose prompt is cached decodes; the prefills in flight
         (or, with none, newly admitted ones) share the tokens the decodes leave."""
-        done = [seq for seq in self.prefilling if seq.num_cached >= seq.num_prompt_tokens]
+        done = [seq for seq in self.prefilling if _prompt_cached(seq)]
         for seq in done:
             self.prefilling.remove(seq)
-            # Its prefix's KV is in its blocks now: later sequences may share them.
-            if seq.shared_prefix:
-                self.prefixes.register(seq.seq_id, seq.shared_prefix)
+            self._share_prefix(seq)
         self.decoding.extend(done)
         if not self.prefilling:
             self.prefilling = self._admit()
@@ -199,12 +212,24 @@ class Scheduler(Generic[S]):
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.RUNNING:
-            (self.prefilling if seq in self.prefilling else self.decoding).remove(seq)
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+                # It may have finished in the step its prefill completed (max_tokens=1, EOS
+                # first): its prefix is registered before its blocks go.
+                self._share_prefix(seq)
+            else:
+                self.decoding.remove(seq)
             assert seq.lane is not None
             self.blocks.free(seq.seq_id)
             heapq.heappush(self._free_lanes, seq.lane)
             seq.block_table, seq.lane, seq.num_shared_tokens = [], None, 0
         seq.status = SequenceStatus.FINISHED
+
+    def _share_prefix(self, seq: S) -> None:
+        """Once its prompt is cached, its prefix's KV is in its blocks: later sequences may
+        share them."""
+        if seq.shared_prefix and _prompt_cached(seq):
+            self.prefixes.register(seq.seq_id, seq.shared_prefix)
 
     def finish_done(self, seqs: list[S]) -> list[S]:
         """Finish those of `seqs` that have a finish reason; returns them."""
@@ -223,3 +248,8 @@ class Scheduler(Generic[S]):
     def cancel_all(self) -> None:
         for seq in [*self.waiting, *self.running]:
             seq.cancelled = True
+
+
+def _prompt_cached(seq: Sequence) -> bool:
+    """Whether the KV of `seq`'s whole prompt is in its blocks (its prefill completed)."""
+    return seq.num_cached >= seq.num_prompt_tokens

@@ -17,8 +17,7 @@ class SharedPrefixes:
         self.blocks = blocks
         self.capacity = capacity
         self._entries: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix -> its blocks
-        # Blocks the entries hold (some also held by running sequences): an int, which the
-        # metrics read without the engine's lock.
+        # Blocks the entries hold (some also held by running sequences).
         self.num_blocks = 0
 
     def shared_blocks(self, prefix: tuple[int, ...]) -> int:
@@ -29,6 +28,10 @@ class SharedPrefixes:
         """The entries no sequence shares, least recently used first, with their blocks: what
         `reclaim` may give back."""
         return OrderedDict((p, n) for p, n in self._entries.items() if self._idle(p))
+
+    def num_idle_blocks(self) -> int:
+        """Blocks only the idle entries hold: free as soon as `reclaim` gives them back."""
+        return sum(self.idle().values())
 
     def register(self, seq_id: int, prefix: tuple[int, ...]) -> None:
         """Share the full blocks of `prefix` that sequence `seq_id` holds (its KV is cached), if

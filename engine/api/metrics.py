@@ -274,11 +274,15 @@ class _LiveState:
             "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
         )
         background.add_metric([], engine.worker.waiting_background)
-        blocks = engine.scheduler.blocks
+        blocks, use = engine.scheduler.blocks, engine.kv_pool_use()
+        # Idle shared prefixes are not counted: admission gives their blocks back on demand, so
+        # a pool they fill still admits.
         pool_usage = GaugeMetricFamily(
-            "ragblend_engine_kv_pool_usage_ratio", "Fraction of the KV pool's blocks in use"
+            "ragblend_engine_kv_pool_usage_ratio",
+            "Fraction of the KV pool's blocks running sequences hold (idle shared prefixes not "
+            "counted)",
         )
-        pool_usage.add_metric([], 1 - blocks.num_free_blocks / blocks.num_blocks)
+        pool_usage.add_metric([], use.in_use / blocks.num_blocks)
         pool_blocks = GaugeMetricFamily(
             "ragblend_engine_kv_pool_blocks",
             f"KV pool blocks (of {blocks.block_size} positions each)",
@@ -286,9 +290,12 @@ class _LiveState:
         pool_blocks.add_metric([], blocks.num_blocks)
         shared_blocks = GaugeMetricFamily(
             "ragblend_engine_kv_shared_prefix_blocks",
-            "KV pool blocks holding prompt prefixes shared by the sequences that start with them",
+            "KV pool blocks holding prompt prefixes shared by the sequences that start with them, "
+            "by state: shared by running sequences, or idle (given back on demand)",
+            labels=["state"],
         )
-        shared_blocks.add_metric([], engine.scheduler.prefixes.num_blocks)
+        shared_blocks.add_metric(["shared"], use.prefix_shared)
+        shared_blocks.add_metric(["idle"], use.prefix_idle)
         stats = engine.store.stats()
         entries = GaugeMetricFamily(
             "ragblend_engine_store_entries", "KV entries by tier", labels=["tier"]

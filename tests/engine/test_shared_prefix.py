@@ -143,9 +143,31 @@ def test_idle_prefixes_are_given_back_when_the_next_sequence_does_not_fit():
     assert big in s.running and s.prefixes.num_blocks == 0
 
 
+def test_a_sequence_that_finishes_as_its_prefill_completes_leaves_its_prefix_registered():
+    s: Scheduler[Sequence] = Scheduler(BlockManager(16, BLOCK), 4, 8, 1000, shared_prefixes=4)
+    a = seq(14, max_tokens=1)
+    s.add(a)
+    s.schedule()
+    a.num_cached = a.num_prompt_tokens  # its prefill completed and gave its only token
+    prefix_blocks = a.block_table[:2]
+    s.finish(a)
+    assert s.prefixes.shared_blocks(PREFIX) == 2 and s.blocks.num_free_blocks == 14
+    b = seq(14)
+    s.add(b)
+    s.schedule()
+    assert b.num_shared_tokens == 8 and b.block_table[:2] == prefix_blocks
+    paused = seq(14, prefix=OTHER)  # cancelled before its prefill completed: nothing cached
+    s.add(paused)
+    cached(s, b)
+    assert paused in s.prefilling
+    s.finish(paused)
+    assert s.prefixes.shared_blocks(OTHER) == 0
+
+
 def test_the_counts_of_admissible_sequences_match_what_is_admitted():
-    """Random pools of running, finished and registered sequences: `num_admissible` predicts
-    exactly what the next schedule() admits, reclaim and sharing included."""
+    """Random pools of running, finished and registered sequences (some finished in the step
+    their prefill completed): `num_admissible` predicts exactly what the next schedule()
+    admits, reclaim and sharing included."""
     prefixes = [PREFIX, OTHER, tuple(range(300, 317)), ()]
     for trial in range(200):
         rng = random.Random(trial)
@@ -157,6 +179,9 @@ def test_the_counts_of_admissible_sequences_match_what_is_admitted():
                 s.add(seq(rng.randint(18, 40), rng.choice(prefixes), rng.randint(1, 8)))
             s.schedule()
             cached(s, *s.prefilling)
+            for x in s.prefilling:  # completed in this step, finished or not
+                if rng.random() < 0.5:
+                    x.num_cached = x.num_prompt_tokens
             for x in list(s.running):
                 if rng.random() < 0.5:
                     s.finish(x)

@@ -101,3 +101,33 @@ def test_requests_with_one_system_prompt_share_its_blocks_and_get_the_same_token
         assert refs[:num_shared] == [4] * num_shared and set(refs[num_shared:]) == {1}
     table, n, _ = by_request[full]
     assert n == 0 and not set(table) & set(head)
+
+
+def test_a_request_that_ends_with_its_prefill_leaves_its_prefix_to_the_next(
+    checkpoint_dir, make_chunks
+):
+    """The first request's only token comes with its prefill: it finishes in that step, and its
+    prefix is registered all the same; the next request shares it, with the same tokens."""
+    shared = Engine.from_pretrained(checkpoint_dir("llama"), check_layers=(1,))
+    alone = Engine.from_pretrained(checkpoint_dir("llama"), check_layers=(1,))
+    alone.scheduler.prefixes.capacity = 0
+    chunks = make_chunks(3, seed=52)
+    first, second = request(chunks[:2], max_tokens=1), request(chunks[1:])
+    num_shared: list[int] = []  # each running sequence's shared positions, after every step
+    shared.add_step_listener(
+        lambda _: num_shared.extend(s.num_shared_tokens for s in shared.scheduler.running)
+    )
+    try:
+        tokens = {}
+        for engine in (shared, alone):
+            engine.precompute(chunks)
+            # The second is queued once the first's result came: admitted in a later step.
+            tokens[engine] = [engine.generate(r).token_ids for r in (first, second)]
+    finally:
+        shared.close()
+        alone.close()
+    assert tokens[shared] == tokens[alone] and len(tokens[shared][0]) == 1
+    block = shared.runner.block_size
+    prefix_positions = len(shared.layout(second).prefix) // block * block
+    assert prefix_positions > 0
+    assert num_shared and set(num_shared) == {prefix_positions}, "the second shared every step"
