@@ -37,7 +37,8 @@ from harness import SHAPES, build_model, interleaved_medians  # noqa: E402
 
 from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager  # noqa: E402
 from engine.layers import LayerOps  # noqa: E402
-from engine.runner import MAX_VIEW_RUNS, ModelRunner  # noqa: E402
+from engine.paged_attention import MAX_VIEW_RUNS  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from kvstore.types import kv_token_bytes  # noqa: E402

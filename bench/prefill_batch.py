@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from harness import (  # noqa: E402  # noqa: E402
+from harness import (  # noqa: E402
     SHAPES,
     build_model,
     build_store,
@@ -39,8 +39,8 @@ from harness import (  # noqa: E402  # noqa: E402
     token_sampler,
 )
 
-from engine.budget import StepBudget, run_to_end  # noqa: E402
-from engine.dense import advance_together, side_by_side  # noqa: E402
+from engine.budget import StepBudget  # noqa: E402
+from engine.dense import advance_together, run_to_end, side_by_side  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.options import prefill_batch_default  # noqa: E402
 from engine.prompt import PromptLayout  # noqa: E402

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionPlan
-from engine.budget import StepBudget, run_to_end, wait
+from engine.budget import StepBudget, wait
 from engine.check import check_keeps, check_scores, indices
-from engine.dense import Dense, Pausable
+from engine.dense import Dense, Pausable, run_to_end
 from engine.layers import LayerOps
 from engine.plan import PrefillPlan
 from engine.selection import Selection, prompt_generator, ratio_schedule

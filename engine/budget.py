@@ -6,14 +6,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TypeVar
 
-import torch
-
-from engine.dense import Pausable, resume
-
-T = TypeVar("T")
-
+from engine.dense import Pausable
 
 # The fewest rows a piece computes: smaller pieces would spend the step on per-call overhead.
 MIN_PIECE_ROWS = 16
@@ -105,22 +99,3 @@ def wait(budget: StepBudget) -> Pausable[float]:
     while budget.spent:
         yield None
     return time.perf_counter() - start
-
-
-def run_to_end(pausable: Pausable[T]) -> T:
-    """Drive a prefill whose budget is never spent (an unbounded one) to its result."""
-    done, result = advance(pausable)
-    if not done:
-        raise RuntimeError("an unbounded prefill paused")
-    return result  # type: ignore[return-value]
-
-
-def advance(pausable: Pausable[T]) -> tuple[bool, T | None]:
-    """Run a prefill until it pauses (False, None) or returns (True, its result), its dense work
-    run as it comes. Inference mode is entered per resumption: a mode held across a yield
-    would leak into the caller."""
-    with torch.inference_mode():
-        done, work, result = resume(pausable)
-        while work is not None:
-            done, work, result = resume(pausable, work.run())
-    return done, result

@@ -113,3 +113,22 @@ def advance_together(
             continue
         for index, result in zip(batch, results, strict=True):
             step(index, result)
+
+
+def advance(pausable: Pausable[T]) -> tuple[bool, T | None]:
+    """Run a prefill until it pauses (False, None) or returns (True, its result), its dense work
+    run as it comes. Inference mode is entered per resumption: a mode held across a yield
+    would leak into the caller."""
+    with torch.inference_mode():
+        done, work, result = resume(pausable)
+        while work is not None:
+            done, work, result = resume(pausable, work.run())
+    return done, result
+
+
+def run_to_end(pausable: Pausable[T]) -> T:
+    """Drive a pausable that never pauses (an unbounded prefill, a decode) to its result."""
+    done, result = advance(pausable)
+    if not done:
+        raise RuntimeError("an unbounded prefill paused")
+    return result  # type: ignore[return-value]

@@ -22,16 +22,19 @@ class QueueEstimate:
     flight: counted whole, an upper bound) at the measured throughput, plus the decodes that
     share the steps: while sequences decode, a step gives prefills at most `step_tokens`, so
     the prompts ahead take ceil(tokens / step_tokens) steps, each with one decode (unbounded:
-    one decode per prompt ahead, and one after the newest). When the KV pool admits no more the
-    request also waits until enough running sequences end, at worst after their remaining
-    max_tokens (EOS or a stop string ends them sooner: an upper bound). Before a step of a kind
-    was measured it counts as free.
+    one decode per prompt ahead, and one after the newest). Where the decodes ride in the
+    prefills' forward (the engine's last step that ran both said so) their time is in the
+    measured prefill throughput already, and no decode step is added. When the KV pool admits
+    no more the request also waits until enough running sequences end, at worst after their
+    remaining max_tokens (EOS or a stop string ends them sooner: an upper bound). Before a step
+    of a kind was measured it counts as free.
     """
 
     def __init__(self) -> None:
         self.prefill_tokens_per_s: float | None = None
         self.decode_step_s: float | None = None
         self._prefill_s = 0.0  # prefill seconds since a prefill last completed
+        self.decodes_ride = False  # decodes run in the prefills' forward (StepRecord.decode_rode)
 
     def wait_for(self, scheduler: Scheduler) -> float:
         """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
@@ -47,6 +50,8 @@ class QueueEstimate:
         )
 
     def observe(self, step: StepRecord) -> None:
+        if step.num_decodes and step.num_prefills:
+            self.decodes_ride = step.decode_rode
         if step.num_decodes and step.decode_s > 0.0:
             self.decode_step_s = smoothed(self.decode_step_s, step.decode_s)
         # A prefill in pieces spends several steps: its throughput counts once it completes.
@@ -74,7 +79,9 @@ class QueueEstimate:
             return 0.0
         prefill_s = waiting_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0.0
         interleaved_steps = prompts_ahead
-        if running_remaining:
+        if running_remaining and self.decodes_ride:
+            interleaved_steps = 0
+        elif running_remaining:
             pieces = prompts_ahead if math.isinf(step_tokens) else waiting_tokens / step_tokens
             interleaved_steps = math.ceil(pieces) + 1
         # Seats the request needs freed: one for each waiting sequence ahead, one for itself.

@@ -1,6 +1,6 @@
-"""Runs one scheduled step on the model: a batched decode of the running sequences, then the
-prefills, paused where the step's budget ends, each copied into its KV blocks once it completes.
-Runs on the worker thread."""
+"""Runs one scheduled step on the model: a batched decode of the running sequences, riding in
+the forward of the prefills, which pause where the step's budget ends and go into their KV
+blocks once complete. Runs on the worker thread."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from engine.budget import StepBudget
 from engine.chunks import ChunkPrecompute
-from engine.dense import advance_together, side_by_side
+from engine.dense import Pausable, advance_together, side_by_side
 from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
@@ -44,18 +44,21 @@ class Executor:
         self.budget = StepBudget()
 
     def run(self, step: Step[Job]) -> StepRecord:
-        """The step's decode, then its prefills within the tokens it leaves them, each timed."""
+        """The step's decode and its prefills within the tokens it leaves them, each timed. With
+        prefills to run, the decode rows ride in their forward (decode_s 0: its time is in
+        prefill_s); alone, or replayed from a CUDA graph, it runs first."""
         start = time.perf_counter()
-        if step.decodes:
+        ride = bool(step.decodes and step.prefills and self.runner.graphs is None)
+        if step.decodes and not ride:
             self.decode(step.decodes)
-        decode_end = time.perf_counter()
-        completed_tokens = self.prefill(step)
+        decode_s = time.perf_counter() - start
+        completed_tokens = self.prefill(step, step.decodes if ride else [])
         return StepRecord(
             len(step.decodes),
-            decode_end - start,
+            0.0 if ride else decode_s,
             len(step.prefills),
             completed_tokens,
-            time.perf_counter() - decode_end,
+            time.perf_counter() - start - decode_s,
         )
 
     def submit_shadows(self, finished: list[Job], busy: bool) -> None:
@@ -64,12 +67,13 @@ class Executor:
             if seq.shadow is not None and seq.finish_reason != "error":
                 self.shadow.submit(seq.shadow, busy)
 
-    def prefill(self, step: Step[Job]) -> int:
+    def prefill(self, step: Step[Job], riders: list[Job]) -> int:
         """Advance the step's prefills while its prefill tokens last (each token through every
         layer), in admission order; consecutive ones whose prompts total at most `batch_tokens`
-        side by side, their projections and MLPs of the same layer as one batch (dense.py);
-        the prompt tokens of those that completed. The KV streams of the new ones are opened
-        first, in order, so the store's one loader reads ahead for all."""
+        side by side, their projections and MLPs of the same layer as one batch (dense.py),
+        the decode of `riders` with the first of them; the prompt tokens of those that
+        completed. The KV streams of the new ones are opened first, in order, so the store's
+        one loader reads ahead for all."""
         seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
         new = [seq for seq in seqs if seq.prefill_steps is None]
         for seq in new:
@@ -88,8 +92,12 @@ class Executor:
         self.budget.refill(step.prefill_tokens * num_layers)
         completed, first_tokens = 0, 0
 
-        def done(batch: list[Job], index: int, prefill: Prefill) -> None:
+        def done(batch: list[Job], index: int, prefill: Prefill | torch.Tensor) -> None:
             nonlocal completed, first_tokens
+            if index == len(batch):
+                self._decoded(riders, prefill)  # type: ignore[arg-type]
+                return
+            assert isinstance(prefill, Prefill)
             seq = batch[index]
             seq.prefill_steps = seq.opened = None
             self._accept(seq, prefill)
@@ -100,22 +108,34 @@ class Executor:
             self.budget.bound(step.budget(first_tokens) * num_layers)
 
         def failed(batch: list[Job], index: int, exc: Exception) -> None:
+            if index == len(batch):
+                self._decode_failed(riders, exc)
+                return
             log.error("prefill failed", exc_info=exc)
             self.abandon(batch[index])
             self.post.fail(batch[index], exc)
 
         tokens = [seq.num_prompt_tokens for seq in seqs]
         batches = [[seqs[i] for i in group] for group in side_by_side(tokens, self.batch_tokens)]
+        decode = self._decode_steps(riders) if riders else None
         with torch.inference_mode():
             for batch in batches:
                 if self.budget.spent:
                     break
+                # Only prefills side by side: a piece's time then holds another prompt's work.
+                # Decode rows riding along are part of every bounded step's time.
                 self.budget.shared = len(batch) > 1
-                advance_together(
-                    [seq.prefill_steps for seq in batch],  # type: ignore[misc]
-                    partial(done, batch),
-                    partial(failed, batch),
-                )
+                pausables: list[Pausable[Prefill | torch.Tensor]] = [
+                    seq.prefill_steps  # type: ignore[misc]
+                    for seq in batch
+                ]
+                if decode is not None:
+                    pausables.append(decode)
+                    decode = None
+                advance_together(pausables, partial(done, batch), partial(failed, batch))
+        if decode is not None:
+            decode.close()
+            self.decode(riders)
         return completed
 
     def abandon(self, seq: Job) -> None:
@@ -153,8 +173,8 @@ class Executor:
             self.runner.penalties.start(seq.lane, seq.layout.token_ids)
         self.post.accept(seq, self.post.penalised([seq], logits[None])[0], logits)
 
-    def decode(self, seqs: list[Job]) -> int:
-        """One token for every sequence, as one batch; the tokens fed."""
+    def decode(self, seqs: list[Job]) -> None:
+        """One token for every sequence, as one batch."""
         try:
             logits = self.runner.decode(
                 [s.block_table for s in seqs],
@@ -162,12 +182,25 @@ class Executor:
                 [s.next_token for s in seqs],  # type: ignore[misc]
             )
         except Exception as exc:
-            log.exception("decode step failed")
-            for seq in seqs:
-                self.post.fail(seq, exc)
-            return len(seqs)
+            self._decode_failed(seqs, exc)
+            return
+        self._decoded(seqs, logits)
+
+    def _decode_steps(self, seqs: list[Job]) -> Pausable[torch.Tensor]:
+        """`decode` as a pausable whose dense work joins the prefills' (engine/dense.py)."""
+        return self.runner.decode_steps(
+            [s.block_table for s in seqs],
+            [s.num_cached for s in seqs],
+            [s.next_token for s in seqs],  # type: ignore[misc]
+        )
+
+    def _decoded(self, seqs: list[Job], logits: torch.Tensor) -> None:
         penalised = self.post.penalised(seqs, logits)
         for seq, row, raw in zip(seqs, penalised, logits, strict=True):
             seq.num_cached += 1
             self.post.accept(seq, row, raw)
-        return len(seqs)
+
+    def _decode_failed(self, seqs: list[Job], exc: Exception) -> None:
+        log.error("decode step failed", exc_info=exc)
+        for seq in seqs:
+            self.post.fail(seq, exc)

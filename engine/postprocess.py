@@ -75,7 +75,7 @@ def result(seq: Job) -> GenerateResult:
             prefill_s=prefill.prefill_s,
             kv_load_s=prefill.kv_load_s,
             kv_wait_s=prefill.output.kv_wait_s,
-            recompute_s=sum(c.compute_end_s - c.compute_start_s for c in computes),
+            recompute_s=sum(c.busy_s for c in computes),
             decode_s=end - seq.first_token_s,
             total_s=end - seq.arrival_s,
             overlap=prefill.overlap,

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.blend import PrefillOutput, prefill_steps, run_prefill
-from engine.budget import StepBudget, run_to_end
+from engine.budget import StepBudget
 from engine.controller import Controller
-from engine.dense import Pausable
+from engine.dense import Pausable, run_to_end
 from engine.layers import LayerOps
 from engine.options import EngineOptions, default_selection
 from engine.plan import ChunkSource, PrefillPlan, plan_prefill

@@ -7,11 +7,20 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from engine.blocks import DEFAULT_BLOCK_SIZE
 from engine.decode_step import DecodeGraphs, DecodeStep, bucket, build_step
+from engine.dense import Dense, Pausable, run_to_end
 from engine.layers import LayerOps
+from engine.paged_attention import (
+    MAX_VIEW_RUNS,
+    Reads,
+    RowRead,
+    attend_batched,
+    attend_rows,
+    row_reads,
+    token_rows,
+)
 from engine.penalties import PenaltyState
 from kvstore.types import kv_token_bytes
 
@@ -76,19 +85,6 @@ def _default_pool_bytes(device: torch.device) -> int:
     return available_ram_bytes() // 4
 
 
-# Per row, the runs of its keys as slices of the flattened pool or its rows to gather
-# (`_row_reads`); or, batched, the block table [B, W] and a mask [B, 1, 1, T] per sliding
-# window of the model (`_batched_reads`).
-RowRead = list[slice] | torch.Tensor
-Reads = list[RowRead] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
-
-# The most runs of consecutive blocks a row reads as views (one SDPA each, merged); a row in
-# more pieces is gathered. Two: a shared prompt prefix, then the sequence's own blocks, where
-# the views measured as fast as one run and the gather up to 1.9x slower (more runs are not
-# measured; bench/paged_capacity.py).
-MAX_VIEW_RUNS = 2
-
-
 class ModelRunner:
     """The KV pool as blocks of `block_size` positions and a batched decode that reads each
     sequence's blocks through its block table (a list of block ids, in position order).
@@ -123,8 +119,8 @@ class ModelRunner:
             ) from exc
         self.cos, self.sin = ops.rope_tables(max_model_len)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
-        # One SDPA per row over views of its blocks on the CPU (see _attend_rows); one batched
-        # SDPA over gathered blocks elsewhere.
+        # One SDPA per row over views of its blocks on the CPU (engine/paged_attention.py); one
+        # batched SDPA over gathered blocks elsewhere.
         self.per_row = ops.device.type == "cpu"
         self.max_view_runs = MAX_VIEW_RUNS
         # Batched steps padded to buckets (what CUDA graphs replay; `bucketed` alone: the same
@@ -150,18 +146,16 @@ class ModelRunner:
         num_blocks = fit_blocks(ops, max_num_seqs, length, block_size, kv_pool_bytes)
         return cls(ops, num_blocks, block_size, length, max_num_seqs)
 
-    def _token_rows(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows of the pool flattened to [N * block_size, H_kv, D] that hold `positions`."""
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
     def write_prompt(
         self, table: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0
     ) -> None:
         """Copy a prompt's KV [L, H_kv, n, D] into the first blocks of `table`, from position
         `start` on: the blocks before it are shared (engine/shared_prefix.py), never written."""
         device = self.ops.device
-        rows = self._token_rows(
-            torch.tensor(table, device=device), torch.arange(start, keys.shape[2], device=device)
+        rows = token_rows(
+            torch.tensor(table, device=device),
+            torch.arange(start, keys.shape[2], device=device),
+            self.block_size,
         )
         flat_keys, flat_values = self.keys.flatten(1, 2), self.values.flatten(1, 2)
         flat_keys[:, rows] = keys[:, :, start:].transpose(1, 2)
@@ -185,7 +179,7 @@ class ModelRunner:
 
         The blocks of row b must hold the KV of positions 0..positions[b]-1; the new K/V are
         written at positions[b], in place, and each row attends over its own positions (and
-        sliding window): `_attend_rows` on the CPU, `_attend_batched` elsewhere, its step
+        sliding window): per row on the CPU, batched elsewhere (`attention`), its step
         padded to a bucket and replayed from a CUDA graph where `use_cuda_graphs` said so.
         """
         batch, shape = len(tables), None
@@ -196,8 +190,7 @@ class ModelRunner:
         step = self.step(tables, positions, token_ids, shape)
         if self.graphs is not None and shape is not None:
             return self.graphs.run(step)[:batch]
-        reads = self._row_reads(tables, positions) if self.per_row else (step.table, step.masks)
-        return self.forward(step, reads)[:batch]
+        return self.forward(step, self.reads_of(step, tables, positions))[:batch]
 
     def step(
         self,
@@ -220,13 +213,26 @@ class ModelRunner:
         )
 
     def forward(self, step: DecodeStep, reads: Reads) -> torch.Tensor:
-        """The decode layer loop over `step`'s rows; logits [rows, vocab] (float32)."""
+        """The decode layer loop over `step`'s rows, run at once; logits [rows, vocab]."""
+        return run_to_end(self.layers(step, reads))
+
+    def decode_steps(
+        self, tables: list[list[int]], positions: list[int], token_ids: list[int]
+    ) -> Pausable[torch.Tensor]:
+        """`decode` as a pausable that hands out its dense work: the executor runs it with the
+        step's prefills, its rows in their projections and MLPs (engine/dense.py)."""
+        step = self.step(tables, positions, token_ids)
+        return self.layers(step, self.reads_of(step, tables, positions))
+
+    def layers(self, step: DecodeStep, reads: Reads) -> Pausable[torch.Tensor]:
+        """The decode layer loop over `step`'s rows, its projections and MLPs handed out as
+        Dense work; logits [rows, vocab] (float32)."""
         ops, shape = self.ops, self.ops.shape
         batch = step.token_ids.shape[0]
         cos, sin = self.cos[step.pos], self.sin[step.pos]  # [B, D]
         h = ops.embed(step.token_ids)  # [B, d]
         for i in range(shape.num_layers):
-            q, k, v = ops.project_qkv(i, h)  # q [H, B, D], k/v [H_kv, B, D]
+            q, k, v = yield Dense(ops, i, h)  # q [H, B, D], k/v [H_kv, B, D]
             q = ops.rotate(q, cos, sin)
             k = ops.rotate(k, cos, sin)
             self.keys[i].flatten(0, 1)[step.new_rows] = k.transpose(0, 1)
@@ -235,8 +241,12 @@ class ModelRunner:
             # same keys, which needs no GQA support from the kernel.
             q_rows = q.transpose(0, 1).reshape(batch, shape.num_kv_heads, self.group, -1)
             out = self.attention(i, q_rows, reads)
-            h = ops.finish_layer(i, h, out.reshape(batch, -1))
+            h = yield Dense(ops, i, h, out.reshape(batch, -1))
         return ops.logits_batch(h)
+
+    def reads_of(self, step: DecodeStep, tables: list[list[int]], positions: list[int]) -> Reads:
+        """What `step`'s rows read: views of their blocks (per row) or its table and masks."""
+        return self._row_reads(tables, positions) if self.per_row else (step.table, step.masks)
 
     def reads(self, tables: list[list[int]], positions: list[int]) -> Reads:
         """What `attention` reads for rows whose last positions are `positions`."""
@@ -246,111 +256,14 @@ class ModelRunner:
         return step.table, step.masks
 
     def attention(self, i: int, q_rows: torch.Tensor, reads: Reads) -> torch.Tensor:
-        """Layer i's attention of queries [B, H_kv, G, D] over each row's keys; [B, H_kv, G, D]."""
+        """Layer i's attention of queries [B, H_kv, G, D] over each row's keys; [B, H_kv, G, D]:
+        per row over views of its blocks on the CPU, batched over gathered blocks elsewhere."""
+        window, scale = self.ops.windows[i], self.ops.attention_scale(i)
         if isinstance(reads, list):
-            return self._attend_rows(i, q_rows, reads)
-        return self._attend_batched(i, q_rows, *reads)
+            keys, values = self.keys[i].flatten(0, 1), self.values[i].flatten(0, 1)
+            return attend_rows(q_rows, keys, values, reads, window, scale)
+        table, masks = reads
+        return attend_batched(q_rows, self.keys[i], self.values[i], table, masks[window], scale)
 
     def _row_reads(self, tables: list[list[int]], positions: list[int]) -> list[RowRead]:
-        """Where the keys 0..positions[b] of each row lie in the pool flattened to
-        [N * block_size, H_kv, D]: a slice per run of consecutive block ids, read as views (no
-        copy; admission reserves a sequence's own blocks at once, so most rows are one run, or
-        two behind a shared prefix), else, past MAX_VIEW_RUNS runs, the rows to gather."""
-        device, size = self.ops.device, self.block_size
-        reads: list[RowRead] = []
-        for table, position in zip(tables, positions, strict=True):
-            n = position + 1
-            used = table[: -(-n // size)]
-            starts = [0] + [j for j in range(1, len(used)) if used[j] != used[j - 1] + 1]
-            if len(starts) <= self.max_view_runs:
-                ends = [*starts[1:], len(used)]
-                reads.append(
-                    [
-                        slice(used[a] * size, used[a] * size + min(b * size, n) - a * size)
-                        for a, b in zip(starts, ends, strict=True)
-                    ]
-                )
-            else:
-                index = torch.tensor(used, device=device)
-                reads.append(self._token_rows(index, torch.arange(n, device=device)))
-        return reads
-
-    def _attend_rows(self, i: int, q_rows: torch.Tensor, reads: list[RowRead]) -> torch.Tensor:
-        """Layer i's attention, one SDPA per row over exactly its own keys (no mask, no padding).
-        On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
-        context made the step 2-4x slower at 8K of context (bench/paged_capacity.py)."""
-        keys, values = self.keys[i].flatten(0, 1), self.values[i].flatten(0, 1)
-        window, scale = self.ops.windows[i], self.ops.blocks[i].self_attn.scaling
-        outs = []
-        for q, read in zip(q_rows[:, None], reads, strict=True):
-            if isinstance(read, torch.Tensor):
-                # [1, H_kv, n, D]: 4-D inputs take SDPA's fused CPU kernel (3-D ones measured
-                # 40x slower).
-                k, v = keys[read].transpose(0, 1)[None], values[read].transpose(0, 1)[None]
-                if window is not None:
-                    k, v = k[:, :, -window:], v[:, :, -window:]
-                outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale)[0])
-            else:
-                outs.append(_attend_runs(q, keys, values, _last(read, window), scale)[0])
-        return torch.stack(outs)  # [B, H_kv, G, D]
-
-    def _attend_batched(
-        self,
-        i: int,
-        q_rows: torch.Tensor,
-        table: torch.Tensor,
-        masks: dict[int | None, torch.Tensor],
-    ) -> torch.Tensor:
-        """Layer i's attention as one SDPA over the gathered blocks of every row, each row masked
-        to its own positions (and sliding window): one launch per layer, for devices where
-        launches, not copies, bound a decode step (CUDA: not measured against the slot view)."""
-        return F.scaled_dot_product_attention(
-            q_rows,
-            gather_blocks(self.keys[i], table),
-            gather_blocks(self.values[i], table),
-            attn_mask=masks[self.ops.windows[i]],
-            scale=self.ops.blocks[i].self_attn.scaling,
-        )
-
-
-def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[B, H_kv, W * block_size, D]: a layer's blocks [N, block_size, H_kv, D] of each row of
-    `table` [B, W], as one copy and a transposed view (what SDPA reads)."""
-    return pool[table].flatten(1, 2).transpose(1, 2)
-
-
-def _last(runs: list[slice], count: int | None) -> list[slice]:
-    """The runs trimmed to their last `count` positions (a sliding window; None: all)."""
-    if count is None:
-        return runs
-    kept = []
-    for run in reversed(runs):
-        take = min(count, run.stop - run.start)
-        kept.append(slice(run.stop - take, run.stop))
-        count -= take
-        if count == 0:
-            break
-    return kept[::-1]
-
-
-def _attend_runs(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: list[slice], scale: float
-) -> torch.Tensor:
-    """Attention of q [1, H_kv, G, D] over the keys and values [T, H_kv, D] of `runs`, read as
-    views: one SDPA per run, merged by their log-sum-exps (float32), so that no run is copied.
-    The kernel is the fused CPU one F.scaled_dot_product_attention calls, which also returns
-    the log-sum-exp."""
-    if len(runs) == 1:
-        k, v = keys[runs[0]].transpose(0, 1)[None], values[runs[0]].transpose(0, 1)[None]
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    outs, lses = [], []
-    for run in runs:
-        k, v = keys[run].transpose(0, 1)[None], values[run].transpose(0, 1)[None]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, scale=scale
-        )[:2]
-        outs.append(out)
-        lses.append(lse)
-    lse = torch.stack(lses)  # [R, 1, H_kv, G]
-    weights = torch.exp(lse - torch.logsumexp(lse, 0))[..., None]
-    return (weights * torch.stack(outs).float()).sum(0).to(q.dtype)
+        return row_reads(tables, positions, self.block_size, self.max_view_runs, self.ops.device)

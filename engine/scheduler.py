@@ -30,8 +30,8 @@ MIN_PREFILL_TOKENS = 16
 
 @dataclass
 class Step(Generic[S]):
-    """What one engine step runs: a token for each of `decodes`, then `prefills` (admitted
-    together) within the tokens `budget` leaves them."""
+    """What one engine step runs: a token for each of `decodes` and `prefills` (admitted
+    together) within the tokens `budget` leaves them, in one forward (engine/executor.py)."""
 
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)

@@ -176,7 +176,8 @@ class Timings:
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step, for metrics: its decode batch and its prefill work, each timed.
-    `prefill_tokens`: the prompt tokens of the prefills that completed in the step."""
+    `prefill_tokens`: the prompt tokens of the prefills that completed in the step. A decode
+    that rode in the prefills' forward has decode_s 0, its time in prefill_s."""
 
     num_decodes: int
     decode_s: float
@@ -187,6 +188,11 @@ class StepRecord:
     @property
     def seconds(self) -> float:
         return self.decode_s + self.prefill_s
+
+    @property
+    def decode_rode(self) -> bool:
+        """The decode ran in the prefills' forward: its time is in prefill_s (decode_s 0)."""
+        return bool(self.num_decodes and self.num_prefills) and self.decode_s == 0.0
 
 
 @dataclass

@@ -220,7 +220,8 @@ class EngineMetrics:
         if step.num_decodes:
             self.batch_size.labels("decode").observe(step.num_decodes)
             self.step_tokens.labels("decode").observe(step.num_decodes)
-            self.step_seconds.labels("decode").observe(step.decode_s)
+            if not step.decode_rode:  # else its time is the prefill's, in one forward
+                self.step_seconds.labels("decode").observe(step.decode_s)
         if step.num_prefills:
             self.batch_size.labels("prefill").observe(step.num_prefills)
             self.step_tokens.labels("prefill").observe(step.prefill_tokens)

@@ -77,3 +77,20 @@ def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
     for _ in range(50):
         estimate.observe(decode_step(0.05, batch=1))
     assert estimate.decode_step_s == pytest.approx(0.05, rel=1e-3)
+
+
+def test_where_decodes_ride_in_the_prefills_forward_no_decode_step_is_added():
+    estimate = measured()
+    estimate.observe(StepRecord(2, 0.0, 1, 0, 0.1))  # a decode that rode: its time in prefill_s
+    assert estimate.decodes_ride
+    wait = estimate.wait_s(
+        waiting_tokens=2000,
+        waiting_seqs=1,
+        in_flight=1,
+        running_remaining=[50],
+        free_seats=3,
+        step_tokens=500,
+    )
+    assert wait == pytest.approx(2000 / estimate.prefill_tokens_per_s)  # type: ignore[operator]
+    estimate.observe(StepRecord(2, 0.01, 1, 0, 0.1))  # decoded on its own (a CUDA graph)
+    assert not estimate.decodes_ride

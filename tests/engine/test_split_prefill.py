@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
-from engine.budget import MIN_PIECE_ROWS, StepBudget, advance
+from engine.budget import MIN_PIECE_ROWS, StepBudget
+from engine.dense import advance
 from engine.prefill import Prefill
 from engine.types import GenerateRequest, Mode
 
