@@ -39,6 +39,17 @@ def measure_unloaded(
     )
 
 
+def baseline_tpot(
+    engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace
+) -> float:
+    """The TPOT of one request alone on a warm engine, measured right before a point: the
+    machine's speed drifts over a run, and the point's figures are read against it."""
+    outcome = Outcome(arrival_s=time.perf_counter())
+    asyncio.run(one_request(engine, request_for(mode, args), workload.unloaded[1], outcome))
+    tpot = outcome.tpot_s()
+    return math.nan if tpot is None else tpot
+
+
 def sustained_rate(points: list[Point], unloaded_s: float) -> tuple[float, str]:
     """The highest rate with TTFT p50 <= 2x unloaded, interpolated linearly (in rate) between
     the last passing point and the first failing one; '>=' when every point passes."""
@@ -65,6 +76,7 @@ def measure_point(
     factor: float = math.nan,
 ) -> Point:
     unloaded_ttft = config.unloaded.ttft_s
+    baseline = baseline_tpot(config.engine, workload, config.mode, args)
     point = Point(
         config.mode.value,
         config.scheduler,
@@ -75,7 +87,7 @@ def measure_point(
     )
     outcomes, elapsed, drain = asyncio.run(run_point(config, workload, args, rate))
     summarise(point, outcomes, elapsed, unloaded_ttft)
-    point.drain_s = drain
+    point.drain_s, point.unloaded_tpot_s = drain, baseline
     if config.decode_batches:
         point.mean_decode_batch = statistics.mean(config.decode_batches)
     label = f"{factor:.2f}x sust" if not math.isnan(factor) else f"{point.rate_fraction:.2f}x 1/T"
@@ -84,7 +96,8 @@ def measure_point(
         f"done {point.completed:3d} refused {point.refused:2d} left {point.unfinished:2d}  "
         f"TTFT p50 {point.ttft_p50_s:7.3f} p99 {point.ttft_p99_s:7.3f}  "
         f"TPOT p50 {point.tpot_p50_s:6.3f} p99 {point.tpot_p99_s:6.3f}  "
-        f"{point.tokens_per_s:6.1f} tok/s  {elapsed:5.1f} s (drain {drain:4.1f})",
+        f"{point.tokens_per_s:6.1f} tok/s (alone TPOT {baseline:.3f})  {elapsed:5.1f} s "
+        f"(drain {drain:4.1f})",
         flush=True,
     )
     return point
@@ -139,15 +152,10 @@ def serving(
                     for f in args.rate_fractions
                 ]
                 rate, how = sustained_rate(config_points, config.unloaded.ttft_s)
-                for factor, at in overload_rates(rate, args.overload_factors):
-                    # The target's TPOT bound is a multiple of a baseline measured right before
-                    # it: the machine's speed drifts over the minutes since the first one.
-                    baseline = math.nan
-                    if math.isclose(factor, TARGET_FACTOR):
-                        baseline = measure_unloaded(engine, workload, mode, args).tpot_s
-                    point = measure_point(config, workload, args, at, factor)
-                    point.unloaded_tpot_s = baseline
-                    config_points.append(point)
+                config_points += [
+                    measure_point(config, workload, args, at, factor)
+                    for factor, at in overload_rates(rate, args.overload_factors)
+                ]
                 points += config_points
                 summary.append(
                     {

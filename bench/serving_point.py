@@ -68,7 +68,8 @@ class Point:
     tpot_p99_s: float = math.nan
     drain_s: float = math.nan  # from the last arrival until every admitted answer (or the cap)
     overload_factor: float = math.nan  # x the sustained rate; nan: a rate-fraction point
-    # The target point's own unloaded TPOT, measured just before it (nan: the mode's first one).
+    # The TPOT of one request alone measured just before the point (nan: an older CSV, or
+    # before every point had one: only the target point's).
     unloaded_tpot_s: float = math.nan
     ttft_samples: list[float] = field(default_factory=list, repr=False)
 

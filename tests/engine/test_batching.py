@@ -15,7 +15,8 @@ from demo.tiny import FAMILIES
 from engine.blocks import BlockManager
 from engine.engine import Engine
 from engine.scheduler import MIN_PREFILL_TOKENS
-from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord
+from engine.types import GenerateRequest, Mode, StepRecord
+from tests.engine.serving import while_first_decodes
 
 # float32 on the CPU: a batched matmul may round differently from a batch of one.
 ATOL = 1e-4
@@ -206,23 +207,7 @@ def test_prefills_split_by_a_small_step_budget_decode_what_they_decode_alone(
         alone = [engine.generate(r).token_ids for r in [first, *later]]
         steps.clear()
 
-        async def together() -> list[tuple[int, ...]]:
-            async def run(req: GenerateRequest, started: asyncio.Event | None = None):
-                ids = []
-                async for event in engine.start(req):
-                    if started is not None:
-                        started.set()  # the first sequence decodes: the others arrive now
-                    if isinstance(event, GenerateResult):
-                        ids = event.token_ids
-                return ids
-
-            started = asyncio.Event()
-            head = asyncio.create_task(run(first, started))
-            await started.wait()
-            rest = await asyncio.gather(*(run(r) for r in later))
-            return [await head, *rest]
-
-        assert asyncio.run(together()) == alone
+        assert while_first_decodes(engine, first, later) == alone
     finally:
         engine.close()
     # Prefills paused beside decodes: steps that decoded and computed a piece of a prefill

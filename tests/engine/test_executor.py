@@ -4,8 +4,6 @@ unchanged."""
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from engine.blocks import BlockManager
@@ -13,7 +11,8 @@ from engine.budget import MIN_PIECE_ROWS, StepBudget
 from engine.dense import advance_together
 from engine.engine import Engine
 from engine.scheduler import MIN_PREFILL_TOKENS
-from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord
+from engine.types import GenerateRequest, Mode, StepRecord
+from tests.engine.serving import while_first_decodes
 
 
 def request(chunks, **overrides) -> GenerateRequest:
@@ -40,28 +39,6 @@ def record_projections(engine: Engine, calls: list, monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "decode", decode_alone)
 
 
-def decode_while_others_prefill(engine: Engine, first, later) -> list[tuple[int, ...]]:
-    """`first` decodes; once its first token is out, `later` arrive; every one's tokens."""
-
-    async def together() -> list[tuple[int, ...]]:
-        async def run(req: GenerateRequest, started: asyncio.Event | None = None):
-            ids = []
-            async for event in engine.start(req):
-                if started is not None:
-                    started.set()
-                if isinstance(event, GenerateResult):
-                    ids = event.token_ids
-            return ids
-
-        started = asyncio.Event()
-        head = asyncio.create_task(run(first, started))
-        await started.wait()
-        rest = await asyncio.gather(*(run(r) for r in later))
-        return [await head, *rest]
-
-    return asyncio.run(together())
-
-
 def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
     checkpoint_dir, make_chunks, monkeypatch
 ):
@@ -77,7 +54,7 @@ def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
         alone = [engine.generate(r).token_ids for r in [first, *later]]
         record_projections(engine, events, monkeypatch)
         engine.add_step_listener(events.append)
-        assert decode_while_others_prefill(engine, first, later) == alone
+        assert while_first_decodes(engine, first, later) == alone
     finally:
         engine.close()
     layers = engine.ops.shape.num_layers

@@ -3,14 +3,13 @@ same first blocks and get the tokens they get without sharing; full prefills nev
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from demo.tiny import FAMILIES, random_words
 from engine.engine import Engine
 from engine.job import Job
-from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord
+from engine.types import GenerateRequest, Mode, StepRecord
+from tests.engine.serving import while_first_decodes
 
 SYSTEM = " ".join(random_words(60, 4242))  # a prefix of several 16-token blocks
 
@@ -24,26 +23,6 @@ def request(chunks, **overrides) -> GenerateRequest:
         "ignore_eos": True,
     }
     return GenerateRequest(**{**values, **overrides})
-
-
-def serve(engine: Engine, first: GenerateRequest, later: list[GenerateRequest]) -> list:
-    """`first` alone, then `later` once its first token came (its prefix cached); the tokens."""
-
-    async def run(req: GenerateRequest, started: asyncio.Event | None = None):
-        async for event in engine.start(req):
-            if started is not None:
-                started.set()
-            if isinstance(event, GenerateResult):
-                return event.token_ids
-
-    async def together():
-        started = asyncio.Event()
-        head = asyncio.create_task(run(first, started))
-        await started.wait()
-        rest = await asyncio.gather(*(run(r) for r in later))
-        return [await head, *rest]
-
-    return asyncio.run(together())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -80,8 +59,8 @@ def test_requests_with_one_system_prompt_share_its_blocks_and_get_the_same_token
     try:
         for engine in (shared, alone):
             engine.precompute(chunks)
-        got = serve(shared, first, later)
-        want = serve(alone, first, later)
+        got = while_first_decodes(shared, first, later)
+        want = while_first_decodes(alone, first, later)
         assert alone.scheduler.prefixes.num_blocks == 0
     finally:
         shared.close()
