@@ -49,6 +49,14 @@ class StepBudget:
         self.left = min(self.left, token_layers)
         self.deadline_s = min(self.deadline_s, self._deadline(token_layers))
 
+    def lend(self, seconds: float) -> None:
+        """The decoding sequences can wait `seconds` (their slack): where that is longer than
+        the step's allowance, only the time bounds the step. Needs a learnt pace (the pieces
+        are sized by it)."""
+        deadline = time.perf_counter() + seconds
+        if self.seconds_per_token > 0.0 and deadline > self.deadline_s:
+            self.left, self.deadline_s = math.inf, deadline
+
     def _deadline(self, token_layers: float) -> float:
         if self.seconds_per_token <= 0.0 or math.isinf(token_layers):
             return math.inf
@@ -99,3 +107,10 @@ def wait(budget: StepBudget) -> Pausable[float]:
     while budget.spent:
         yield None
     return time.perf_counter() - start
+
+
+def decode_slack_s(seqs: list[tuple[float, int]], target_gap_s: float, now: float) -> float:
+    """How long the next step may take before a decoding sequence's mean time per token, from
+    its first token through the one the step gives it, passes `target_gap_s`; `seqs`: each
+    one's (first token time, tokens so far). The least over them (inf: none)."""
+    return min((first + target_gap_s * tokens - now for first, tokens in seqs), default=math.inf)

@@ -19,7 +19,12 @@ from engine.executor import Executor
 from engine.job import Event, Job, new_job
 from engine.layers import LayerOps
 from engine.model import LoadedModel, load_model
-from engine.options import EngineOptions, batched_tokens_default, prefill_batch_default
+from engine.options import (
+    EngineOptions,
+    batched_tokens_default,
+    decode_slack_default,
+    prefill_batch_default,
+)
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
@@ -76,10 +81,14 @@ class Engine:
             self.prompts, self.prefiller, store, self.worker, self.max_model_len
         )
         post = Postprocessor(self.eos_ids, self.runner.penalties)
+        device = loaded.device.type
         batch = opts.prefill_batch_tokens
         if batch is None:
-            batch = prefill_batch_default(loaded.device.type)
-        self.executor = Executor(self.prefiller, self.runner, self.shadow, self.chunks, post, batch)
+            batch = prefill_batch_default(device)
+        slack = decode_slack_default(device) if opts.decode_slack is None else opts.decode_slack
+        self.executor = Executor(
+            self.prefiller, self.runner, self.shadow, self.chunks, post, batch, slack
+        )
 
     @classmethod
     def from_pretrained(

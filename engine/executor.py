@@ -10,9 +10,10 @@ from functools import partial
 
 import torch
 
-from engine.budget import StepBudget
+from engine.budget import StepBudget, decode_slack_s
 from engine.chunks import ChunkPrecompute
 from engine.dense import Pausable, advance_together, side_by_side
+from engine.estimate import smoothed
 from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
@@ -33,6 +34,7 @@ class Executor:
         chunks: ChunkPrecompute,
         post: Postprocessor,
         batch_tokens: int = 0,
+        slack_factor: float = 0.0,
     ):
         self.prefiller = prefiller
         self.runner = runner
@@ -42,6 +44,10 @@ class Executor:
         # The budget every prefill in flight reads; each step refills it.
         self.batch_tokens = batch_tokens
         self.budget = StepBudget()
+        # A decoding sequence's mean time per token may reach slack_factor x a decode step
+        # alone (its running average) before its steps stop lending prefills time (0: never).
+        self.slack_factor = slack_factor
+        self.decode_alone_s = 0.0
 
     def run(self, step: Step[Job]) -> StepRecord:
         """The step's decode and its prefills within the tokens it leaves them, each timed. With
@@ -52,6 +58,8 @@ class Executor:
         if step.decodes and not ride:
             self.decode(step.decodes)
         decode_s = time.perf_counter() - start
+        if step.decodes and not ride:
+            self.decode_alone_s = smoothed(self.decode_alone_s or None, decode_s)
         completed_tokens = self.prefill(step, step.decodes if ride else [])
         return StepRecord(
             len(step.decodes),
@@ -90,6 +98,10 @@ class Executor:
                 seq.layout, request, self.budget, opened=seq.opened
             )
         self.budget.refill(step.prefill_tokens * num_layers)
+        if self.slack_factor and self.decode_alone_s and step.decodes:
+            running = [(s.first_token_s or 0.0, s.num_output_tokens) for s in step.decodes]
+            target = self.slack_factor * self.decode_alone_s
+            self.budget.lend(decode_slack_s(running, target, time.perf_counter()))
         completed, first_tokens = 0, 0
 
         def done(batch: list[Job], index: int, prefill: Prefill | torch.Tensor) -> None:

@@ -124,6 +124,14 @@ class EngineSettings(BaseSettings):
         "and MLPs batched per layer) while their prompts total at most this many tokens; 0: "
         "one after another (default: 2048 on the CPU, 16384 on a GPU)",
     )
+    decode_slack: float | None = Field(
+        None,
+        ge=0,
+        le=100,
+        description="a step with decodes may run its prefills past max_num_batched_tokens while "
+        "every decoding sequence's mean time per token stays within this many decode steps "
+        "alone; 0: never (default: 2 on the CPU, 0 on a GPU)",
+    )
     cuda_graph_max_batch: int = Field(
         0,
         ge=0,

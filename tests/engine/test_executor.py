@@ -1,13 +1,16 @@
 """An engine step: the decode rows of a step that also prefills ride in the prefills' forward
-(one projection for both in the layers they share), and what each sequence decodes is
-unchanged."""
+(one projection for both in the layers they share), decoding sequences with slack lend a
+prefill time past the budget, and what each sequence decodes is unchanged."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from engine.blocks import BlockManager
-from engine.budget import MIN_PIECE_ROWS, StepBudget
+from engine.budget import MIN_PIECE_ROWS, StepBudget, decode_slack_s
 from engine.dense import advance_together
 from engine.engine import Engine
 from engine.scheduler import MIN_PREFILL_TOKENS
@@ -39,12 +42,19 @@ def record_projections(engine: Engine, calls: list, monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "decode", decode_alone)
 
 
+def serving_engine(path, decode_slack: float) -> Engine:
+    return Engine.from_pretrained(
+        path,
+        check_layers=(1,),
+        max_num_batched_tokens=2 * MIN_PREFILL_TOKENS,
+        decode_slack=decode_slack,
+    )
+
+
 def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
     checkpoint_dir, make_chunks, monkeypatch
 ):
-    engine = Engine.from_pretrained(
-        checkpoint_dir("llama"), check_layers=(1,), max_num_batched_tokens=2 * MIN_PREFILL_TOKENS
-    )
+    engine = serving_engine(checkpoint_dir("llama"), decode_slack=0.0)
     events: list = []  # (layer, rows) of each projection; a StepRecord ends each step
     try:
         chunks = make_chunks(5, words=40, seed=31)
@@ -115,3 +125,34 @@ def test_a_decode_joins_the_projection_of_a_prefill_piece_in_the_layer_they_shar
     assert calls == [(0, MIN_PIECE_ROWS + 1)] + [(i, 1) for i in range(1, layers)]
     assert list(results) == [1]
     torch.testing.assert_close(results[1], alone, rtol=0, atol=1e-4)
+
+
+def test_decoding_sequences_with_slack_lend_a_prefill_the_step_past_its_budget(
+    checkpoint_dir, make_chunks
+):
+    mixed_steps = {}
+    for slack in (0.0, 1e6):
+        engine = serving_engine(checkpoint_dir("llama"), decode_slack=slack)
+        records: list[StepRecord] = []
+        try:
+            chunks = make_chunks(5, words=40, seed=35)
+            engine.precompute(chunks)
+            first = request(chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=40, ignore_eos=True)
+            later = [request(chunks[1:], mode=Mode.FULL_PREFILL)]
+            alone = [engine.generate(r).token_ids for r in [first, *later]]
+            engine.add_step_listener(records.append)
+            assert while_first_decodes(engine, first, later) == alone
+        finally:
+            engine.close()
+        mixed_steps[slack] = sum(1 for r in records if r.num_decodes and r.num_prefills)
+    # With slack the first step keeps to the budget (it learns the pace the time is read in),
+    # the next runs the rest; without it, the prompt goes in budget-sized pieces.
+    assert mixed_steps[1e6] <= 2 < 4 <= mixed_steps[0.0]
+
+
+def test_the_slack_is_the_least_time_a_decoding_sequence_can_wait():
+    now = 100.0
+    # 10 tokens since 99.0 at a 0.2 s target: may reach 101.0; 2 tokens since 99.9: 100.3.
+    assert decode_slack_s([(99.0, 10), (99.9, 2)], 0.2, now) == pytest.approx(0.3)
+    assert decode_slack_s([(99.0, 2)], 0.2, now) < 0  # behind its target: nothing to lend
+    assert decode_slack_s([], 0.2, now) == math.inf
