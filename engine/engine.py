@@ -87,7 +87,7 @@ class Engine:
             batch = prefill_batch_default(device)
         slack = decode_slack_default(device) if opts.decode_slack is None else opts.decode_slack
         self.executor = Executor(
-            self.prefiller, self.runner, self.shadow, self.chunks, post, batch, slack
+            self.prefiller, self.runner, self.shadow, self.chunks, post, self.estimate, batch, slack
         )
 
     @classmethod

@@ -13,7 +13,7 @@ import torch
 from engine.budget import StepBudget, decode_slack_s
 from engine.chunks import ChunkPrecompute
 from engine.dense import Pausable, advance_together, side_by_side
-from engine.estimate import smoothed
+from engine.estimate import QueueEstimate
 from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
@@ -33,6 +33,7 @@ class Executor:
         shadow: Shadow,
         chunks: ChunkPrecompute,
         post: Postprocessor,
+        estimate: QueueEstimate,
         batch_tokens: int = 0,
         slack_factor: float = 0.0,
     ):
@@ -45,9 +46,10 @@ class Executor:
         self.batch_tokens = batch_tokens
         self.budget = StepBudget()
         # A decoding sequence's mean time per token may reach slack_factor x a decode step
-        # alone (its running average) before its steps stop lending prefills time (0: never).
+        # alone (the estimate's running average) before its steps stop lending prefills time
+        # (0: never).
         self.slack_factor = slack_factor
-        self.decode_alone_s = 0.0
+        self.estimate = estimate
 
     def run(self, step: Step[Job]) -> StepRecord:
         """The step's decode and its prefills within the tokens it leaves them, each timed. With
@@ -58,8 +60,6 @@ class Executor:
         if step.decodes and not ride:
             self.decode(step.decodes)
         decode_s = time.perf_counter() - start
-        if step.decodes and not ride:
-            self.decode_alone_s = smoothed(self.decode_alone_s or None, decode_s)
         completed_tokens = self.prefill(step, step.decodes if ride else [])
         return StepRecord(
             len(step.decodes),
@@ -98,9 +98,10 @@ class Executor:
                 seq.layout, request, self.budget, opened=seq.opened
             )
         self.budget.refill(step.prefill_tokens * num_layers)
-        if self.slack_factor and self.decode_alone_s and step.decodes:
+        decode_alone_s = self.estimate.decode_step_s
+        if self.slack_factor and decode_alone_s and step.decodes:
             running = [(s.first_token_s or 0.0, s.num_output_tokens) for s in step.decodes]
-            target = self.slack_factor * self.decode_alone_s
+            target = self.slack_factor * decode_alone_s
             self.budget.lend(decode_slack_s(running, target, time.perf_counter()))
         completed, first_tokens = 0, 0
 

@@ -5,6 +5,7 @@ prefill time past the budget, and what each sequence decodes is unchanged."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -51,20 +52,30 @@ def serving_engine(path, decode_slack: float) -> Engine:
     )
 
 
+def serve_while_one_decodes(engine: Engine, chunks, record) -> None:
+    """A long full prefill decoding while a second one arrives, each served alone first;
+    `record()` is called between (listeners added there see only the served pair). Both get
+    the tokens they get alone."""
+    engine.precompute(chunks)
+    first = request(chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=40, ignore_eos=True)
+    later = [request(chunks[1:], mode=Mode.FULL_PREFILL)]
+    alone = [engine.generate(r).token_ids for r in [first, *later]]
+    record()
+    assert while_first_decodes(engine, first, later) == alone
+
+
 def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
     checkpoint_dir, make_chunks, monkeypatch
 ):
     engine = serving_engine(checkpoint_dir("llama"), decode_slack=0.0)
     events: list = []  # (layer, rows) of each projection; a StepRecord ends each step
-    try:
-        chunks = make_chunks(5, words=40, seed=31)
-        engine.precompute(chunks)
-        first = request(chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=40, ignore_eos=True)
-        later = [request(chunks[1:], mode=Mode.FULL_PREFILL)]
-        alone = [engine.generate(r).token_ids for r in [first, *later]]
+
+    def record() -> None:
         record_projections(engine, events, monkeypatch)
         engine.add_step_listener(events.append)
-        assert while_first_decodes(engine, first, later) == alone
+
+    try:
+        serve_while_one_decodes(engine, make_chunks(5, words=40, seed=31), record)
     finally:
         engine.close()
     layers = engine.ops.shape.num_layers
@@ -136,12 +147,9 @@ def test_decoding_sequences_with_slack_lend_a_prefill_the_step_past_its_budget(
         records: list[StepRecord] = []
         try:
             chunks = make_chunks(5, words=40, seed=35)
-            engine.precompute(chunks)
-            first = request(chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=40, ignore_eos=True)
-            later = [request(chunks[1:], mode=Mode.FULL_PREFILL)]
-            alone = [engine.generate(r).token_ids for r in [first, *later]]
-            engine.add_step_listener(records.append)
-            assert while_first_decodes(engine, first, later) == alone
+            serve_while_one_decodes(
+                engine, chunks, partial(engine.add_step_listener, records.append)
+            )
         finally:
             engine.close()
         mixed_steps[slack] = sum(1 for r in records if r.num_decodes and r.num_prefills)
