@@ -17,7 +17,7 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
    (a lower bound). Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed, refused
    (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
    every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before that
-   point, tokens/s >= the lower rates'.
+   point, tokens/s >= the lower rates' peak (that point and the peak's rerun in turn, medians).
 2. Decode throughput: one batched decode step (`engine.runner.decode`) at 1, 4, 16 and 64
    sequences of ~3.2K context, tokens/s and the ratio to batch 1.
 3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention
@@ -112,6 +112,11 @@ def parse_args() -> argparse.Namespace:
         help="the engine's token budget per step (default: the engine's, by device)",
     )
     parser.add_argument(
+        "--decode-slack",
+        type=float,
+        help="the engine's decode_slack (default: the engine's, by device; 0: off)",
+    )
+    parser.add_argument(
         "--rate-fractions",
         type=float,
         nargs="+",
@@ -125,6 +130,11 @@ def parse_args() -> argparse.Namespace:
         help="after the rate points, points at these factors x the sustained rate "
         "(default 1.2 1.5 2.0; none: no overload points)",
     )
+    parser.add_argument(
+        "--throughput-rounds",
+        type=int,
+        help="reruns of the overload target's point and the lower-rate peak, in turn (default 2)",
+    )
     parser.add_argument("--requests", type=int, help="requests per point at most")
     parser.add_argument("--time-limit-s", type=float, help="arrivals per point stop after this")
     parser.add_argument(
@@ -134,6 +144,11 @@ def parse_args() -> argparse.Namespace:
         "outstanding requests x the unloaded request time)",
     )
     parser.add_argument("--unloaded-requests", type=int)
+    parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        help="requests alone before each point, their median TPOT its baseline (default 3)",
+    )
     parser.add_argument("--decode-batches", type=int, nargs="+")
     parser.add_argument("--decode-repeats", type=int)
     parser.add_argument("--step-batches", type=int, nargs="+", default=[1, 16])
@@ -144,6 +159,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--device cuda but torch sees no GPU")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         parser.error("--max-num-batched-tokens must be at least 1")
+    if args.decode_slack is not None and args.decode_slack < 0:
+        parser.error("--decode-slack must be at least 0")
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(
@@ -152,6 +169,8 @@ def parse_args() -> argparse.Namespace:
         requests=100 if on_cuda else 16,
         time_limit_s=30.0 if on_cuda else 50.0,
         unloaded_requests=5 if on_cuda else 3,
+        baseline_requests=3,
+        throughput_rounds=2,
         decode_batches=[1, 4, 16, 64],
         decode_repeats=10 if on_cuda else 5,
         short_context=1024,
@@ -166,6 +185,8 @@ def parse_args() -> argparse.Namespace:
             requests=4,
             time_limit_s=4.0,
             unloaded_requests=1,
+            baseline_requests=1,
+            throughput_rounds=1,
             decode_batches=[1, 4],
             decode_repeats=1,
             short_context=256,

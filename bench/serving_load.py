@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 
-from serving_overload import TARGET_FACTOR, overload_rates, target_row, target_text
+from serving_overload import TARGET_FACTOR, overload_rates, rerun_pair, target_row, target_text
 from serving_point import Config, Outcome, Point, Unloaded, one_request, run_point, summarise
 from serving_workload import MODES, Workload, build_workload, request_for
 
@@ -42,12 +42,17 @@ def measure_unloaded(
 def baseline_tpot(
     engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace
 ) -> float:
-    """The TPOT of one request alone on a warm engine, measured right before a point: the
-    machine's speed drifts over a run, and the point's figures are read against it."""
-    outcome = Outcome(arrival_s=time.perf_counter())
-    asyncio.run(one_request(engine, request_for(mode, args), workload.unloaded[1], outcome))
-    tpot = outcome.tpot_s()
-    return math.nan if tpot is None else tpot
+    """The median TPOT of `--baseline-requests` requests alone on a warm engine, measured right
+    before a point: the machine's speed drifts over a run, and the point's figures are read
+    against it."""
+    tpots = []
+    for _ in range(args.baseline_requests):
+        outcome = Outcome(arrival_s=time.perf_counter())
+        request = request_for(mode, args)
+        asyncio.run(one_request(engine, request, workload.unloaded[1], outcome))
+        if (tpot := outcome.tpot_s()) is not None:
+            tpots.append(tpot)
+    return statistics.median(tpots) if tpots else math.nan
 
 
 def sustained_rate(points: list[Point], unloaded_s: float) -> tuple[float, str]:
@@ -103,12 +108,30 @@ def measure_point(
     return point
 
 
+def rerun_throughput(
+    config: Config, workload: Workload, args: argparse.Namespace, points: list[Point]
+) -> list[Point]:
+    """The overload target's point and the lower-rate point of highest tokens/s, rerun in turn
+    `--throughput-rounds` times: their throughputs are compared by medians over the runs."""
+    pair = rerun_pair(points)
+    if pair is None:
+        return []
+    reruns = []
+    for round_ in range(1, args.throughput_rounds + 1):
+        for point in pair:
+            rerun = measure_point(config, workload, args, point.rate, point.overload_factor)
+            rerun.rate_fraction, rerun.rerun = point.rate_fraction, round_
+            reruns.append(rerun)
+    return reruns
+
+
 def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict:
     options = dict(
         max_num_seqs=max_num_seqs,
         max_model_len=args.serving_model_len,
         max_waiting=args.max_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_slack=args.decode_slack,
     )
     return options
 
@@ -129,12 +152,17 @@ def serving(
                 if workload is None:
                     workload = build_workload(engine, args, args.requests + 32)
                     budget = engine.scheduler.max_num_batched_tokens
+                    slack = engine.executor.slack_factor
                     notes += [
                         f"{workload.describe(args)}, {args.output_tokens} output tokens; KV "
                         f"pool {engine.runner.num_blocks} blocks x {engine.runner.block_size}, "
                         f"max_model_len {engine.max_model_len}",
                         f"max_num_batched_tokens: {budget}"
-                        + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),
+                        + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else "")
+                        + f"; decode_slack: {slack:g}"
+                        + (" (--decode-slack)" if args.decode_slack is not None else ""),
+                        f"overload baselines: the median TPOT of {args.baseline_requests} "
+                        "request(s) alone right before each point",
                     ]
                 if mode not in unloaded:
                     unloaded[mode] = measure_unloaded(engine, workload, mode, args)
@@ -156,6 +184,7 @@ def serving(
                     measure_point(config, workload, args, at, factor)
                     for factor, at in overload_rates(rate, args.overload_factors)
                 ]
+                config_points += rerun_throughput(config, workload, args, config_points)
                 points += config_points
                 summary.append(
                     {

@@ -26,6 +26,7 @@ class Outcome:
     first_token_s: float | None = None
     last_token_s: float | None = None
     tokens: int = 0  # streamed so far
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens
     result: GenerateResult | None = None
     refused: bool = False
     error: str | None = None
@@ -71,6 +72,13 @@ class Point:
     # The TPOT of one request alone measured just before the point (nan: an older CSV, or
     # before every point had one: only the target point's).
     unloaded_tpot_s: float = math.nan
+    # The gaps between consecutive tokens of every request: slack trades single long gaps for
+    # TTFT while each request's mean (TPOT) holds.
+    gap_p90_s: float = math.nan
+    gap_max_s: float = math.nan
+    # 0: the sweep's point; 1, 2, ...: a rerun of it for the overload target's throughput
+    # criterion (bench/serving_overload.py), left out of the tables and the plot.
+    rerun: int = 0
     ttft_samples: list[float] = field(default_factory=list, repr=False)
 
 
@@ -119,7 +127,10 @@ async def one_request(
     try:
         async for event in generation:
             if isinstance(event, TokenDelta) and event.token_id is not None:
-                outcome.last_token_s = time.perf_counter()
+                now = time.perf_counter()
+                if outcome.last_token_s is not None:
+                    outcome.gaps_s.append(now - outcome.last_token_s)
+                outcome.last_token_s = now
                 if outcome.first_token_s is None:
                     outcome.first_token_s = outcome.last_token_s
                 outcome.tokens += 1
@@ -182,7 +193,7 @@ async def run_point(
 
 
 def summarise(point: Point, outcomes: list[Outcome], elapsed_s: float, unloaded_s: float) -> None:
-    ttfts, queues, tpots, tokens = [], [], [], 0
+    ttfts, queues, tpots, gaps, tokens = [], [], [], [], 0
     for o in outcomes:
         if o.refused:
             point.refused += 1
@@ -190,6 +201,7 @@ def summarise(point: Point, outcomes: list[Outcome], elapsed_s: float, unloaded_
         if o.error is not None:
             point.errors += 1
             continue
+        gaps += o.gaps_s
         if (tpot := o.tpot_s()) is not None:
             tpots.append(tpot)
         if o.result is not None:
@@ -209,6 +221,8 @@ def summarise(point: Point, outcomes: list[Outcome], elapsed_s: float, unloaded_
     point.tpot_p50_s = percentile(tpots, 50)
     point.tpot_p99_s = percentile(tpots, 99)
     point.queue_p50_s = percentile(queues, 50)
+    point.gap_p90_s = percentile(gaps, 90)
+    point.gap_max_s = max(gaps, default=math.nan)
     point.elapsed_s = elapsed_s
     point.tokens_per_s = tokens / elapsed_s if elapsed_s else 0.0
     point.requests_per_s = point.completed / elapsed_s if elapsed_s else 0.0

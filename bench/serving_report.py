@@ -46,18 +46,19 @@ def markdown(
             "",
             "| mode | scheduler | rate (req/s) | x 1/unloaded TTFT | x sustained | sent "
             "| completed | refused | unfinished | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (s) "
-            "| TPOT p99 (s) | queue p50 (s) | tokens/s | mean decode batch | drain (s) "
-            "| p50 <= 2x unloaded |",
+            "| TPOT p99 (s) | token gap p90 (s) | gap max (s) | queue p50 (s) | tokens/s "
+            "| mean decode batch | drain (s) | p50 <= 2x unloaded |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
-            "|:---:|",
+            "|---:|---:|:---:|",
         ]
-        for p in points:
+        for p in [p for p in points if not p.rerun]:
             out.append(
                 f"| {p.mode} | {p.scheduler} | {p.rate:.3f} | {p.rate_fraction:.2f} "
                 f"| {blank(p.overload_factor, '.2f')} | {p.sent} | {p.completed} | {p.refused} "
                 f"| {p.unfinished} | {p.ttft_p50_s:.3f} | {p.ttft_p99_s:.3f} "
                 f"| {blank(p.tpot_p50_s, '.4f')} | {blank(p.tpot_p99_s, '.4f')} "
-                f"| {p.queue_p50_s:.3f} | {p.tokens_per_s:.1f} | {p.mean_decode_batch:.1f} "
+                f"| {blank(p.gap_p90_s)} | {blank(p.gap_max_s)} | {p.queue_p50_s:.3f} "
+                f"| {p.tokens_per_s:.1f} | {p.mean_decode_batch:.1f} "
                 f"| {blank(p.drain_s, '.1f')} | {'yes' if p.sustained else 'no'} |"
             )
         out += [
@@ -155,7 +156,7 @@ def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> No
     for ax, key, name in panels:
         for (mode, scheduler), color in colors.items():
             series = sorted(
-                (p for p in points if p.mode == mode and p.scheduler == scheduler),
+                (p for p in points if p.mode == mode and p.scheduler == scheduler and not p.rerun),
                 key=lambda p: p.rate,
             )
             # Rows from an older CSV have no TPOT: nothing to draw (log axes refuse it).
@@ -232,7 +233,7 @@ def rebuild_from_csv(tag: str) -> None:
         for p in mine:
             p.sustained = p.ttft_p50_s <= 2 * s["unloaded_ttft_s"] and p.refused == 0
         # The overload rows sit past the sustained rate by construction: they do not move it.
-        rated = [p for p in mine if math.isnan(p.overload_factor)]
+        rated = [p for p in mine if math.isnan(p.overload_factor) and not p.rerun]
         s["sustained_rate"], s["sustained_how"] = sustained_rate(rated, s["unloaded_ttft_s"])
     points.sort(
         key=lambda p: (

@@ -1,16 +1,18 @@
 """The step token budget's trade-off: the gap between a decoding sequence's tokens against
-throughput, for several `max_num_batched_tokens` side by side on one model and one store.
+throughput, for several `max_num_batched_tokens` (and `decode_slack`s) side by side on one model
+and one store.
 
     .venv/bin/python bench/step_budget.py                       # 128 256 512, ~5 min on 2 cores
     .venv/bin/python bench/step_budget.py --budgets 64 128 --modes cacheblend
+    .venv/bin/python bench/step_budget.py --budgets 128 --decode-slacks 0 2.5 --tag slack
 
 Per (mode, budget): a fresh engine (llama-124m shape, bf16, random init) over the same stored
 chunks serves `--requests` requests of 6 pooled 512-token chunks + a 32-token question and 32
 output tokens, arriving `--gap-s` apart (past what the CPU sustains: prefills overlap the
 decodes of earlier requests). Reports the gaps between consecutive output tokens of every
-request (p50, p90, max), the same gap for one request alone, tokens/s (output tokens over
-first arrival to last token) and TTFT p50. Prints a table and writes
-bench/results/step_budget-<device>.csv.
+request (p50, p90, max), the same gap for one request alone, each request's mean gap (TPOT)
+at p99 against it, tokens/s (output tokens over first arrival to last token) and TTFT p50.
+Prints a table and writes bench/results/step_budget[-<tag>]-<device>.csv.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 class Row:
     mode: str
     max_num_batched_tokens: int
+    decode_slack: float
     requests: int
     gap_s: float
     alone_gap_s: float
@@ -50,6 +53,7 @@ class Row:
     gap_p90_s: float
     gap_max_s: float
     gap_p90_vs_alone: float
+    tpot_p99_vs_alone: float
     ttft_p50_s: float
     tokens_per_s: float
 
@@ -60,6 +64,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--shape", default="llama-124m", choices=SHAPES)
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument(
+        "--decode-slacks",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="the engine's decode_slack, each side by side (default 0: the budget alone)",
+    )
+    parser.add_argument("--tag", help="results file tag")
     modes = [m.value for m in Mode]
     parser.add_argument("--modes", nargs="+", default=["full_prefill", "cacheblend"], choices=modes)
     parser.add_argument("--requests", type=int, default=8)
@@ -68,8 +80,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=32)
     args = parser.parse_args()
-    if min(args.budgets) < 1 or args.requests < 1 or args.gap_s < 0:
-        parser.error("--budgets must be >= 1, --requests >= 1 and --gap-s >= 0")
+    if min(args.budgets) < 1 or args.requests < 1 or args.gap_s < 0 or min(args.decode_slacks) < 0:
+        parser.error(
+            "--budgets must be >= 1, --requests >= 1, --gap-s >= 0 and --decode-slacks >= 0"
+        )
     return args
 
 
@@ -100,7 +114,7 @@ def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(tokens, tokens[1:], strict=False)]
 
 
-def measure(engine: Engine, mode: Mode, budget: int, layouts, args) -> Row:
+def measure(engine: Engine, mode: Mode, budget: int, slack: float, layouts, args) -> Row:
     ratio = 0.15 if mode is Mode.CACHEBLEND else None
     request = GenerateRequest(
         question="q",
@@ -117,9 +131,11 @@ def measure(engine: Engine, mode: Mode, budget: int, layouts, args) -> Row:
     first_arrival = min(times[0] for times in runs)
     last_token = max(times[-1] for times in runs)
     p90 = quantile(every_gap, 0.9)
+    tpots = [statistics.mean(gaps(times)) for times in runs]
     return Row(
         mode=mode.value,
         max_num_batched_tokens=budget,
+        decode_slack=slack,
         requests=len(runs),
         gap_s=args.gap_s,
         alone_gap_s=alone,
@@ -127,9 +143,44 @@ def measure(engine: Engine, mode: Mode, budget: int, layouts, args) -> Row:
         gap_p90_s=p90,
         gap_max_s=max(every_gap),
         gap_p90_vs_alone=p90 / alone,
+        tpot_p99_vs_alone=quantile(tpots, 0.99) / alone,
         ttft_p50_s=statistics.median(times[1] - times[0] for times in runs),
         tokens_per_s=sum(len(times) - 1 for times in runs) / (last_token - first_arrival),
     )
+
+
+def run_config(loaded, store, mode: Mode, budget: int, slack: float, args) -> Row:
+    """One fresh engine over the store: the same requests and arrivals as every other."""
+    engine = Engine(
+        loaded,
+        store,
+        max_num_seqs=16,
+        max_model_len=4096,
+        max_num_batched_tokens=budget,
+        decode_slack=slack,
+    )
+    try:
+        tokens = token_sampler(engine, seed=1)
+        pool = [tokens(args.chunk_tokens) for _ in range(4 * args.chunks)]
+        prefix = engine.prompts.build("q", []).prefix
+        store_chunks(engine, PromptLayout(prefix, tuple(pool), ()))
+        rng = random.Random(2)
+        layouts = [
+            PromptLayout(prefix, tuple(rng.sample(pool, args.chunks)), tokens(32))
+            for _ in range(args.requests + 1)
+        ]
+        row = measure(engine, mode, budget, slack, layouts, args)
+    finally:
+        engine.close()
+    print(
+        f"{row.mode:12s} budget {budget:5d} slack {slack:g}: gap p50 {row.gap_p50_s * 1e3:6.1f} "
+        f"ms p90 {row.gap_p90_s * 1e3:6.1f} ms ({row.gap_p90_vs_alone:.2f}x alone "
+        f"{row.alone_gap_s * 1e3:.1f} ms), max {row.gap_max_s * 1e3:.0f} ms, TPOT p99 "
+        f"{row.tpot_p99_vs_alone:.2f}x alone, TTFT p50 {row.ttft_p50_s:.2f} s, "
+        f"{row.tokens_per_s:.1f} tok/s",
+        flush=True,
+    )
+    return row
 
 
 def main() -> None:
@@ -139,32 +190,10 @@ def main() -> None:
     rows: list[Row] = []
     for mode in [Mode(m) for m in args.modes]:
         for budget in args.budgets:
-            engine = Engine(
-                loaded, store, max_num_seqs=16, max_model_len=4096, max_num_batched_tokens=budget
-            )
-            try:
-                tokens = token_sampler(engine, seed=1)
-                pool = [tokens(args.chunk_tokens) for _ in range(4 * args.chunks)]
-                prefix = engine.prompts.build("q", []).prefix
-                store_chunks(engine, PromptLayout(prefix, tuple(pool), ()))
-                rng = random.Random(2)
-                layouts = [
-                    PromptLayout(prefix, tuple(rng.sample(pool, args.chunks)), tokens(32))
-                    for _ in range(args.requests + 1)
-                ]
-                row = measure(engine, mode, budget, layouts, args)
-            finally:
-                engine.close()
-            rows.append(row)
-            print(
-                f"{row.mode:12s} budget {budget:5d}: gap p50 {row.gap_p50_s * 1e3:6.1f} ms "
-                f"p90 {row.gap_p90_s * 1e3:6.1f} ms ({row.gap_p90_vs_alone:.2f}x alone "
-                f"{row.alone_gap_s * 1e3:.1f} ms), TTFT p50 {row.ttft_p50_s:.2f} s, "
-                f"{row.tokens_per_s:.1f} tok/s",
-                flush=True,
-            )
+            for slack in args.decode_slacks:
+                rows.append(run_config(loaded, store, mode, budget, slack, args))
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"step_budget-{args.device}.csv"
+    path = RESULTS / f"step_budget-{args.tag + '-' if args.tag else ''}{args.device}.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()

@@ -29,21 +29,25 @@ class BlockManager:
             raise ValueError(f"need at least one block of one token, got {num_blocks}x{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Popped from the end: the lowest ids go out first.
-        self._free = list(range(num_blocks - 1, -1, -1))
+        # 1 where a block is free. A sequence's blocks are taken as one run of consecutive ids
+        # where there is one (the lowest): the CPU decode reads a row's keys as views of its
+        # runs, and a second run cost ~10 % of an unloaded decode step (bench/serving.py's
+        # baselines after load); past two runs it gathers (engine/paged_attention.py).
+        self._free = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
         self._refs = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= len(self._free)
+        return self.blocks_for(num_tokens) <= self._num_free
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
@@ -87,14 +91,14 @@ class BlockManager:
         return new + (1 if partial and self._refs[table[-1]] > 1 else 0)
 
     def can_append(self, seq: Hashable, num_tokens: int = 1) -> bool:
-        return self.blocks_to_append(seq, num_tokens) <= len(self._free)
+        return self.blocks_to_append(seq, num_tokens) <= self._num_free
 
     def append_slots(self, seq: Hashable, num_tokens: int = 1) -> BlockCopy | None:
         """Room for `num_tokens` more positions. Writing into a shared, partly full last block
         gives the sequence a fresh block instead: the caller copies the returned (src, dst)."""
         need = self.blocks_to_append(seq, num_tokens)
-        if need > len(self._free):
-            raise NoFreeBlocksError(f"{seq!r} needs {need} blocks, {len(self._free)} are free")
+        if need > self._num_free:
+            raise NoFreeBlocksError(f"{seq!r} needs {need} blocks, {self._num_free} are free")
         table, length = self._tables[seq], self._lengths[seq]
         copy = None
         if length % self.block_size and self._refs[table[-1]] > 1:
@@ -111,7 +115,8 @@ class BlockManager:
         for block in reversed(self._table(seq)):
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free.append(block)
+                self._free[block] = 1
+                self._num_free += 1
         del self._tables[seq], self._lengths[seq]
 
     def _table(self, seq: Hashable) -> list[int]:
@@ -121,9 +126,20 @@ class BlockManager:
             raise KeyError(f"sequence {seq!r} has no blocks") from None
 
     def _take(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"{count} blocks needed, {len(self._free)} are free")
-        taken = [self._free.pop() for _ in range(count)]
+        """`count` free blocks: the lowest run of that many consecutive ids, else the lowest
+        free ids."""
+        if count > self._num_free:
+            raise NoFreeBlocksError(f"{count} blocks needed, {self._num_free} are free")
+        start = self._free.find(b"\x01" * count) if count else 0
+        if start >= 0:
+            taken = list(range(start, start + count))
+        else:
+            taken, at = [], -1
+            while len(taken) < count:
+                at = self._free.find(1, at + 1)
+                taken.append(at)
         for block in taken:
+            self._free[block] = 0
             self._refs[block] = 1
+        self._num_free -= count
         return taken

@@ -54,17 +54,19 @@ class Executor:
     def run(self, step: Step[Job]) -> StepRecord:
         """The step's decode and its prefills within the tokens it leaves them, each timed. With
         prefills to run, the decode rows ride in their forward (decode_s 0: its time is in
-        prefill_s); alone, or replayed from a CUDA graph, it runs first."""
+        prefill_s); alone (the decoding sequences bank their slack: no prefill runs), or
+        replayed from a CUDA graph, it runs first."""
         start = time.perf_counter()
-        ride = bool(step.decodes and step.prefills and self.runner.graphs is None)
+        prefilling = self.start_prefills(step)
+        ride = bool(step.decodes and prefilling and self.runner.graphs is None)
         if step.decodes and not ride:
             self.decode(step.decodes)
         decode_s = time.perf_counter() - start
-        completed_tokens = self.prefill(step, step.decodes if ride else [])
+        completed_tokens = self.prefill(step, step.decodes if ride else []) if prefilling else 0
         return StepRecord(
             len(step.decodes),
             0.0 if ride else decode_s,
-            len(step.prefills),
+            len(step.prefills) if prefilling else 0,
             completed_tokens,
             time.perf_counter() - start - decode_s,
         )
@@ -75,14 +77,12 @@ class Executor:
             if seq.shadow is not None and seq.finish_reason != "error":
                 self.shadow.submit(seq.shadow, busy)
 
-    def prefill(self, step: Step[Job], riders: list[Job]) -> int:
-        """Advance the step's prefills while its prefill tokens last (each token through every
-        layer), in admission order; consecutive ones whose prompts total at most `batch_tokens`
-        side by side, their projections and MLPs of the same layer as one batch (dense.py),
-        the decode of `riders` with the first of them; the prompt tokens of those that
-        completed. The KV streams of the new ones are opened first, in order, so the store's
-        one loader reads ahead for all."""
-        seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
+    def start_prefills(self, step: Step[Job]) -> bool:
+        """Give the step's new prefills their pausable steps and fill the step's budget: its
+        prefill tokens, or the decoding sequences' slack (`StepBudget.lend`). Whether any
+        prefill may run. The KV streams of the new ones are opened first, in order, so the
+        store's one loader reads ahead for all (also while they wait)."""
+        seqs = step.prefills
         new = [seq for seq in seqs if seq.prefill_steps is None]
         for seq in new:
             seq.scheduled_s = time.perf_counter()
@@ -97,12 +97,27 @@ class Executor:
             seq.prefill_steps = self.prefiller.request_steps(
                 seq.layout, request, self.budget, opened=seq.opened
             )
-        self.budget.refill(step.prefill_tokens * num_layers)
-        decode_alone_s = self.estimate.decode_step_s
-        if self.slack_factor and decode_alone_s and step.decodes:
+        self.budget.refill(step.prefill_tokens * self.prefiller.ops.shape.num_layers)
+        decode_s = self.estimate.decode_step_s
+        unloaded_s = self.estimate.unloaded_decode_s or decode_s
+        if self.slack_factor and decode_s and unloaded_s and step.decodes:
             running = [(s.first_token_s or 0.0, s.num_output_tokens) for s in step.decodes]
-            target = self.slack_factor * decode_alone_s
-            self.budget.lend(decode_slack_s(running, target, time.perf_counter()))
+            target = self.slack_factor * unloaded_s
+            # Steps that decode alone bank slack only where they take less than the target;
+            # short prompts that fit the count whole are not worth banking for.
+            fits = len(new) == len(seqs) and sum(s.num_prompt_tokens for s in seqs) <= (
+                step.prefill_tokens
+            )
+            bank = decode_s < target and not fits
+            self.budget.lend(decode_slack_s(running, target, time.perf_counter()), bank)
+        return bool(seqs) and not self.budget.spent
+
+    def prefill(self, step: Step[Job], riders: list[Job]) -> int:
+        """Advance the step's prefills while its budget lasts (start_prefills filled it), in
+        admission order; consecutive ones whose prompts total at most `batch_tokens` side by
+        side, their projections and MLPs of the same layer as one batch (dense.py), the decode
+        of `riders` with the first of them; the prompt tokens of those that completed."""
+        seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
         completed, first_tokens = 0, 0
 
         def done(batch: list[Job], index: int, prefill: Prefill | torch.Tensor) -> None:

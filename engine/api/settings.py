@@ -130,7 +130,7 @@ class EngineSettings(BaseSettings):
         le=100,
         description="a step with decodes may run its prefills past max_num_batched_tokens while "
         "every decoding sequence's mean time per token stays within this many decode steps "
-        "alone; 0: never (default: 2 on the CPU, 0 on a GPU)",
+        "alone; 0: never (default: 2.5 on the CPU, 0 on a GPU)",
     )
     cuda_graph_max_batch: int = Field(
         0,

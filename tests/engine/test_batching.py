@@ -208,6 +208,7 @@ def test_prefills_split_by_a_small_step_budget_decode_what_they_decode_alone(
             request(long_chunks[2:], mode=Mode.PREFIX_CACHE),
         ]
         alone = [engine.generate(r).token_ids for r in [first, *later]]
+        engine.drain()  # the last step's listeners have run
         steps.clear()
 
         assert while_first_decodes(engine, first, later) == alone
@@ -239,6 +240,7 @@ def test_once_a_prefill_of_an_idle_step_completes_the_next_prefill_keeps_to_the_
             request(long_chunks[2:], mode=Mode.FULL_PREFILL),
         ]
         alone = [engine.generate(r).token_ids for r in requests]
+        engine.drain()  # the last step's listeners have run
         engine.add_step_listener(steps.append)
         results = generate_in_one_step(engine, requests)
     finally:

@@ -32,6 +32,17 @@ def test_freed_blocks_are_reused_and_never_handed_out_twice():
     assert len(set(in_use)) == len(in_use) == 5 and blocks.num_free_blocks == 1
 
 
+def test_a_sequence_takes_the_lowest_run_of_consecutive_free_blocks_where_there_is_one():
+    pool = BlockManager(num_blocks=10, block_size=4)
+    for seq, tokens in (("a", 12), ("b", 8), ("c", 12)):
+        pool.allocate(seq, tokens)  # a: 0-2, b: 3-4, c: 5-7
+    pool.free("a")
+    pool.free("c")  # free: 0-2 and 5-9
+    assert pool.allocate("d", 16) == [5, 6, 7, 8]  # one run, not 0-2 and 5
+    assert pool.allocate("e", 16) == [0, 1, 2, 9]  # no run of four left: the lowest ids
+    assert pool.num_free_blocks == 0
+
+
 def test_exhaustion_raises_and_leaves_the_pool_as_it_was():
     blocks = BlockManager(3, block_size=4)
     blocks.allocate("a", 8)

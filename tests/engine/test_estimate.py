@@ -94,3 +94,12 @@ def test_where_decodes_ride_in_the_prefills_forward_no_decode_step_is_added():
     assert wait == pytest.approx(2000 / estimate.prefill_tokens_per_s)  # type: ignore[operator]
     estimate.observe(StepRecord(2, 0.01, 1, 0, 0.1))  # decoded on its own (a CUDA graph)
     assert not estimate.decodes_ride
+
+
+def test_the_unloaded_decode_time_is_learnt_from_steps_that_decode_one_sequence_alone():
+    estimate = QueueEstimate()
+    estimate.observe(StepRecord(4, 0.2, 0, 0, 0.0))  # four sequences
+    estimate.observe(StepRecord(1, 0.0, 1, 0, 0.3))  # one that rode in a prefill's forward
+    assert estimate.unloaded_decode_s is None and estimate.decode_step_s == 0.2
+    estimate.observe(StepRecord(1, 0.05, 0, 0, 0.0))
+    assert estimate.unloaded_decode_s == 0.05

@@ -1,6 +1,7 @@
 """An engine step: the decode rows of a step that also prefills ride in the prefills' forward
 (one projection for both in the layers they share), decoding sequences with slack lend a
-prefill time past the budget, and what each sequence decodes is unchanged."""
+prefill time past the budget and bank slack too short to be worth lending, and what each
+sequence decodes is unchanged."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 
+import engine.executor
 from engine.blocks import BlockManager
 from engine.budget import MIN_PIECE_ROWS, StepBudget, decode_slack_s
 from engine.dense import advance_together
@@ -60,6 +62,7 @@ def serve_while_one_decodes(engine: Engine, chunks, record) -> None:
     first = request(chunks[:1], mode=Mode.FULL_PREFILL, max_tokens=40, ignore_eos=True)
     later = [request(chunks[1:], mode=Mode.FULL_PREFILL)]
     alone = [engine.generate(r).token_ids for r in [first, *later]]
+    engine.drain()  # a result comes before its step's listeners run: let them run first
     record()
     assert while_first_decodes(engine, first, later) == alone
 
@@ -71,6 +74,10 @@ def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
     events: list = []  # (layer, rows) of each projection; a StepRecord ends each step
 
     def record() -> None:
+        # The token count alone sizes the pieces (a learnt time allowance may end a piece
+        # before the decode reaches its layer).
+        engine.executor.budget.seconds_per_token = 0.0
+        monkeypatch.setattr(engine.executor.budget, "observe", lambda *_, **__: None)
         record_projections(engine, events, monkeypatch)
         engine.add_step_listener(events.append)
 
@@ -156,6 +163,54 @@ def test_decoding_sequences_with_slack_lend_a_prefill_the_step_past_its_budget(
     # With slack the first step keeps to the budget (it learns the pace the time is read in),
     # the next runs the rest; without it, the prompt goes in budget-sized pieces.
     assert mixed_steps[1e6] <= 2 < 4 <= mixed_steps[0.0]
+
+
+def test_decoding_sequences_without_slack_bank_it_and_a_long_prefill_waits_for_them(
+    checkpoint_dir, make_chunks, monkeypatch
+):
+    # No decoding sequence ever has slack: once the budget has learnt its pace (the first
+    # bounded piece), a step with decodes computes no prefill: its sequences bank what the
+    # step leaves them. The later prompt waits until the first sequence ends, then runs whole.
+    monkeypatch.setattr(engine.executor, "decode_slack_s", lambda *_: 0.0)
+    served = serving_engine(checkpoint_dir("llama"), decode_slack=1e6)
+    steps: list[tuple[StepRecord, bool]] = []  # each step, and whether a prefill was in flight
+
+    def record() -> None:
+        listen = lambda r: steps.append((r, bool(served.scheduler.prefilling)))  # noqa: E731
+        served.add_step_listener(listen)
+
+    try:
+        serve_while_one_decodes(served, make_chunks(5, words=40, seed=36), record)
+    finally:
+        served.close()
+    mixed = [r for r, _ in steps if r.num_decodes and r.num_prefills]
+    banked = [r for r, waits in steps if r.num_decodes and not r.num_prefills and waits]
+    assert len(mixed) <= 2 and len(banked) >= 30
+    assert all(r.decode_s > 0.0 for r in banked)  # decodes alone: the estimate learns from them
+
+
+def test_a_prompt_that_fits_the_token_count_whole_does_not_wait_for_slack(
+    checkpoint_dir, make_chunks, monkeypatch
+):
+    monkeypatch.setattr(engine.executor, "decode_slack_s", lambda *_: 0.0)
+    served = Engine.from_pretrained(
+        checkpoint_dir("llama"), check_layers=(1,), max_num_batched_tokens=4096, decode_slack=1e6
+    )
+    steps: list[tuple[StepRecord, bool]] = []  # each step, and whether a prefill was in flight
+
+    def record() -> None:
+        served.executor.budget.seconds_per_token = 1e-4  # a pace learnt: slack counts
+        listen = lambda r: steps.append((r, bool(served.scheduler.prefilling)))  # noqa: E731
+        served.add_step_listener(listen)
+
+    try:
+        serve_while_one_decodes(served, make_chunks(5, words=40, seed=37), record)
+    finally:
+        served.close()
+    # The later prompt prefills whole beside the other's decode: no step banks for it.
+    mixed = [r for r, _ in steps if r.num_decodes and r.num_prefills]
+    banked = [r for r, waits in steps if r.num_decodes and not r.num_prefills and waits]
+    assert len(mixed) == 1 and mixed[0].prefill_tokens > 0 and not banked
 
 
 def test_the_slack_is_the_least_time_a_decoding_sequence_can_wait():

@@ -113,6 +113,7 @@ def test_an_engine_that_batches_prefills_decodes_what_each_decodes_alone(
             request(chunks[2:], mode=Mode.CACHEBLEND, recompute_ratio=0.3),
         ]
         alone = [engine.generate(r).token_ids for r in requests]
+        engine.drain()  # the last step's listeners have run
         engine.add_step_listener(steps.append)
         results = generate_in_one_step(engine, requests)
     finally:

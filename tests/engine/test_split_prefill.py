@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
-from engine.budget import MIN_PIECE_ROWS, StepBudget
+from engine.budget import MIN_LENT_ALLOWANCES, MIN_PIECE_ROWS, StepBudget
 from engine.dense import advance
 from engine.prefill import Prefill
 from engine.types import GenerateRequest, Mode
@@ -76,6 +76,26 @@ def test_a_step_ends_when_its_time_allowance_is_spent():
     time.sleep(0.05)
     assert budget.spent and budget.left > 0  # the time ran out before the count
     assert budget.piece(50) == MIN_PIECE_ROWS
+
+
+def test_slack_short_of_the_lent_minimum_is_banked_and_longer_slack_is_lent():
+    budget = StepBudget(seconds_per_token=1.0)
+    budget.refill(10)  # an allowance of 10 s
+    budget.lend(MIN_LENT_ALLOWANCES * 10 * 0.9)
+    assert budget.spent  # banked: no prefill computes in the step
+    budget.refill(10)
+    budget.lend(MIN_LENT_ALLOWANCES * 10 * 1.5)
+    assert math.isinf(budget.left) and budget.deadline_s - time.perf_counter() > 50
+    budget.refill(10)
+    budget.lend(1.0, bank=False)  # prompts that fit the count whole: the allowance stands
+    assert budget.left == 10 and not budget.spent
+
+
+def test_without_a_learnt_pace_slack_leaves_the_budget_to_the_count():
+    budget = StepBudget()
+    budget.refill(10)
+    budget.lend(0.0)
+    assert budget.left == 10 and not budget.spent
 
 
 def test_the_budget_learns_its_pace_from_pieces_of_one_prefill_in_bounded_steps():

@@ -1,0 +1,126 @@
+"""What a prefill costs in pieces: one prompt prefilled whole and in steps of a token budget,
+side by side on one model, the time summed over its pieces against the whole prefill's.
+
+    .venv/bin/python bench/prefill_pieces.py                    # ~2 min on 2 cores
+    .venv/bin/python bench/prefill_pieces.py --budgets 128 512 --rounds 5
+
+Per (mode, budget): one prompt of 6 pooled 512-token chunks + a 32-token question, prefilled
+in steps of `budget` tokens x L token-layers (counted by tokens only, as the engine's step
+budget before it learns a pace), nothing else in the step. The budgets of a round run one
+after the other; medians over rounds. Why the engine banks decoding sequences' slack instead
+of lending it a budget at a time (docs/engine.md, "Slack lent by decoding sequences, and
+banked"). Prints a table and writes bench/results/prefill_pieces-<device>.csv.
+"""
+
+from __future__ import annotations
+
+import os
+
+# A CPU shared with other processes: OpenMP threads that spin at every barrier stall behind
+# the other processes' threads; passive waits do not.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from harness import SHAPES, build_engine, build_model, random_layout, store_chunks  # noqa: E402
+
+from engine.budget import StepBudget  # noqa: E402
+from engine.dense import advance  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.prompt import PromptLayout  # noqa: E402
+from engine.types import Mode  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Row:
+    mode: str
+    budget_tokens: float  # inf: whole
+    steps: int
+    prefill_s: float
+    vs_whole: float
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shape", default="llama-124m", choices=SHAPES)
+    parser.add_argument("--modes", nargs="+", default=["full_prefill", "cacheblend"])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[2048, 512, 256, 128])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if min(args.budgets) < 1 or args.rounds < 1:
+        parser.error("--budgets must be >= 1 and --rounds >= 1")
+    return args
+
+
+def prefill_in_steps(engine: Engine, layout: PromptLayout, mode: Mode, tokens: float) -> int:
+    """Prefill `layout` in steps of `tokens` x L token-layers; the number of steps."""
+    budget = StepBudget()
+    budget.shared = True  # the pace is not learnt: the token count alone sizes every step
+    steps = engine.prefiller.prefill_steps(
+        layout,
+        mode,
+        0.15 if mode is Mode.CACHEBLEND else None,
+        None,
+        None,
+        selection=None,
+        max_recompute_ratio=None,
+        token_scores=None,
+        budget=budget,
+    )
+    count, done = 0, False
+    while not done:
+        budget.refill(tokens * engine.ops.shape.num_layers)
+        done, _ = advance(steps)
+        count += 1
+    return count
+
+
+def main() -> None:
+    args = parse_args()
+    loaded = build_model(args.shape, args.device, args.dtype)
+    engine = build_engine(loaded, max_num_seqs=1, max_model_len=4096)
+    layout = random_layout(engine, 6, 512, 32)
+    store_chunks(engine, layout)
+    budgets = [math.inf, *args.budgets]
+    rows: list[Row] = []
+    for mode in [Mode(m) for m in args.modes]:
+        prefill_in_steps(engine, layout, mode, math.inf)  # warm-up
+        seconds: dict[float, list[float]] = {b: [] for b in budgets}
+        steps: dict[float, int] = {}
+        for _ in range(args.rounds):
+            for tokens in budgets:
+                start = time.perf_counter()
+                steps[tokens] = prefill_in_steps(engine, layout, mode, tokens)
+                seconds[tokens].append(time.perf_counter() - start)
+        whole = statistics.median(seconds[math.inf])
+        for tokens in budgets:
+            total = statistics.median(seconds[tokens])
+            row = Row(mode.value, tokens, steps[tokens], total, total / whole)
+            rows.append(row)
+            print(
+                f"{row.mode:12s} budget {tokens:>5} tokens: {row.steps:3d} steps, "
+                f"{total:6.3f} s ({row.vs_whole:.2f}x whole)",
+                flush=True,
+            )
+    engine.close()
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"prefill_pieces-{args.device}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
