@@ -4,10 +4,12 @@ checkpoint), a prompt of random tokens laid out like the engine's, and a timer o
 from __future__ import annotations
 
 import argparse
+import csv
 import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -18,6 +20,9 @@ from engine.engine import Engine
 from engine.model import LoadedModel, load_model, model_fingerprint, parse_dtype
 from engine.prompt import PromptLayout
 from kvstore.store import KVStore, KVStoreConfig
+from ragblend.model import bundled_model_dtype
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 SHAPES = {
     "llama-124m": dict(
@@ -39,11 +44,27 @@ SHAPES = {
 }
 
 
+def write_rows(name: str, rows: list) -> None:
+    """Dataclass rows as bench/results/`name`, a column per field."""
+    RESULTS.mkdir(exist_ok=True)
+    with (RESULTS / name).open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+    print(f"wrote bench/results/{name}")
+
+
+def default_dtype() -> str:
+    """bfloat16 on a GPU and on a CPU with bfloat16 matrix units; float32 on other CPUs, where
+    torch emulates bfloat16 matmuls hundreds of times slower (the engine's default rule)."""
+    return "bfloat16" if torch.cuda.is_available() else bundled_model_dtype()
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """Device, model shape and prompt: the CPU workload by default, 8K tokens of a 7B on CUDA."""
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--shape", choices=SHAPES, default="mistral-7b" if cuda else "llama-124m")
     parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--tag", help="results file tag (default: the --model's name)")

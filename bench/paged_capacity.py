@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the reference in tests/
 
-from harness import SHAPES, build_model, interleaved_medians  # noqa: E402
+from harness import SHAPES, build_model, default_dtype, interleaved_medians  # noqa: E402
 
 from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager  # noqa: E402
 from engine.layers import LayerOps  # noqa: E402
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--shape", choices=SHAPES, default="llama-124m")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8191])
     parser.add_argument("--repeats", type=int, default=5)

@@ -23,20 +23,20 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 from harness import (  # noqa: E402
     SHAPES,
     build_model,
     build_store,
+    default_dtype,
     interleaved_medians,
     store_chunks,
     synchronize,
     token_sampler,
+    write_rows,
 )
 
 from engine.budget import StepBudget  # noqa: E402
@@ -45,8 +45,6 @@ from engine.engine import Engine  # noqa: E402
 from engine.options import prefill_batch_default  # noqa: E402
 from engine.prompt import PromptLayout  # noqa: E402
 from engine.types import GenerateRequest, Mode  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ class Row:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--shape", choices=SHAPES, help="default: llama-124m, mistral-7b on cuda")
     parser.add_argument("--arrivals", type=int, default=8)
     parser.add_argument("--chunk-tokens", type=int, default=256)
@@ -109,13 +107,7 @@ def main() -> None:
                 print_row(rows[-1])
     finally:
         engine.close()
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"prefill_batch-{args.device}.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    print(f"wrote {path.relative_to(RESULTS.parent.parent)}")
+    write_rows(f"prefill_batch-{args.device}.csv", rows)
 
 
 def measure(engine: Engine, mode: Mode, layouts: list[PromptLayout], args) -> Row:

@@ -21,22 +21,26 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
-from harness import SHAPES, build_engine, build_model, random_layout, store_chunks  # noqa: E402
+from harness import (  # noqa: E402
+    SHAPES,
+    build_engine,
+    build_model,
+    default_dtype,
+    random_layout,
+    store_chunks,
+    write_rows,
+)
 
 from engine.budget import StepBudget  # noqa: E402
 from engine.dense import advance  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.prompt import PromptLayout  # noqa: E402
 from engine.types import Mode  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Row:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--shape", default="llama-124m", choices=SHAPES)
     parser.add_argument("--modes", nargs="+", default=["full_prefill", "cacheblend"])
     parser.add_argument("--budgets", type=int, nargs="+", default=[2048, 512, 256, 128])
@@ -113,13 +117,7 @@ def main() -> None:
                 flush=True,
             )
     engine.close()
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"prefill_pieces-{args.device}.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(row) for row in rows)
-    print(f"wrote {path}")
+    write_rows(f"prefill_pieces-{args.device}.csv", rows)
 
 
 if __name__ == "__main__":

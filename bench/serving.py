@@ -45,7 +45,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from harness import MODEL_HELP, SHAPES, build_store, synchronize, workload_model  # noqa: E402
+from harness import MODEL_HELP, SHAPES, build_store, default_dtype, synchronize, workload_model  # noqa: E402
 from serving_decode import decode_throughput, step_time_vs_context  # noqa: E402
 from serving_load import serving  # noqa: E402
 from serving_report import (  # noqa: E402
@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--shape", choices=SHAPES, help="default: llama-124m, mistral-7b on cuda")
     parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--tag", help="results file tag (default: the --model's name)")

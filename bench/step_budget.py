@@ -25,20 +25,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import csv  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
-from harness import SHAPES, build_model, build_store, store_chunks, token_sampler  # noqa: E402
+from harness import (  # noqa: E402
+    SHAPES,
+    build_model,
+    build_store,
+    default_dtype,
+    store_chunks,
+    token_sampler,
+    write_rows,
+)
 
 from engine.engine import Engine  # noqa: E402
 from engine.prompt import PromptLayout  # noqa: E402
 from engine.types import GenerateRequest, Mode, TokenDelta  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Row:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--shape", default="llama-124m", choices=SHAPES)
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument(
@@ -192,13 +196,7 @@ def main() -> None:
         for budget in args.budgets:
             for slack in args.decode_slacks:
                 rows.append(run_config(loaded, store, mode, budget, slack, args))
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"step_budget-{args.tag + '-' if args.tag else ''}{args.device}.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    print(f"wrote {path.relative_to(RESULTS.parent.parent)}")
+    write_rows(f"step_budget-{args.tag + '-' if args.tag else ''}{args.device}.csv", rows)
 
 
 if __name__ == "__main__":
