@@ -60,7 +60,7 @@ def main() -> None:
         loaded,
         memory_budget_bytes=0,
         ssd_path=str(store_dir / f"ssd-{args.encoding}"),
-        persistent_encoding=args.encoding,
+        ssd_encoding=args.encoding,
     )
     store_chunks(packed, layout)
     gpu = None

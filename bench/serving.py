@@ -21,7 +21,9 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
 2. Decode throughput: one batched decode step (`engine.runner.decode`) at 1, 4, 16 and 64
    sequences of ~3.2K context, tokens/s and the ratio to batch 1.
 3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention
-   reads alone and of the per-token KV concatenation a growing cache would add.
+   reads alone (through the block table, and over a contiguous slot per sequence as a view)
+   and of the per-token KV concatenation a growing cache would add.
+With `--cuda-graphs N` (CUDA), parts 2 and 3 also time each step replayed from CUDA graphs.
 
 CPU default: llama-124m shape in bfloat16; `--device cuda`: mistral-7b shape. Writes
 bench/results/serving-<device>[-decode|-steps|-summary].csv, bench/results/serving-<device>.md
@@ -145,11 +147,25 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--unloaded-requests", type=int)
     parser.add_argument(
+        "--warm-up",
+        type=int,
+        help="requests sent at once to warm each engine before its unloaded figures "
+        "(default: max_num_seqs on cuda, 0 on the CPU)",
+    )
+    parser.add_argument(
         "--baseline-requests",
         type=int,
         help="requests alone before each point, their median TPOT its baseline (default 3)",
     )
     parser.add_argument("--decode-batches", type=int, nargs="+")
+    parser.add_argument(
+        "--cuda-graphs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="decode parts: also replay each step of up to N rows from CUDA graphs (the "
+        "engine's cuda_graph_max_batch), beside the eager step (default 0: eager only)",
+    )
     parser.add_argument("--decode-repeats", type=int)
     parser.add_argument("--step-batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--short-context", type=int)
@@ -159,6 +175,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--device cuda but torch sees no GPU")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         parser.error("--max-num-batched-tokens must be at least 1")
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if args.decode_slack is not None and args.decode_slack < 0:
         parser.error("--decode-slack must be at least 0")
     on_cuda = args.device == "cuda"
@@ -169,6 +187,7 @@ def parse_args() -> argparse.Namespace:
         requests=100 if on_cuda else 16,
         time_limit_s=30.0 if on_cuda else 50.0,
         unloaded_requests=5 if on_cuda else 3,
+        warm_up=args.max_num_seqs if on_cuda else 0,
         baseline_requests=3,
         throughput_rounds=2,
         decode_batches=[1, 4, 16, 64],
@@ -185,6 +204,7 @@ def parse_args() -> argparse.Namespace:
             requests=4,
             time_limit_s=4.0,
             unloaded_requests=1,
+            warm_up=min(2, args.max_num_seqs),
             baseline_requests=1,
             throughput_rounds=1,
             decode_batches=[1, 4],
@@ -211,7 +231,8 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    label = args.tag or (Path(args.model.rstrip("/")).name.lower() if args.model else None)
+    model = Path(args.model.rstrip("/")).name.lower() if args.model else args.shape
+    label = args.tag or (model if args.model else None)
     tag = (f"{label}-" if label else "") + args.device + ("-quick" if args.quick else "")
     if args.from_csv:
         rebuild_from_csv(tag)
@@ -265,7 +286,7 @@ def main() -> None:
     print()
     print(report)
     RESULTS.mkdir(exist_ok=True)
-    extra = {"device": args.device, "shape": label or args.shape, "dtype": args.dtype}
+    extra = {"device": args.device, "shape": model, "dtype": args.dtype}
     write_csv(RESULTS / f"serving-{tag}.csv", [point_row(p) for p in points], extra)
     write_csv(RESULTS / f"serving-{tag}-summary.csv", summary, extra)
     write_csv(RESULTS / f"serving-{tag}-decode.csv", decode, extra)
@@ -277,7 +298,7 @@ def main() -> None:
             points,
             summary,
             DOCS / f"serving-{tag}.png",
-            f"{label or args.shape} {args.dtype} on {device_name}: "
+            f"{model} {args.dtype} on {device_name}: "
             f"{'/'.join(map(str, args.prompt_chunks or [args.chunks]))}x{args.chunk_tokens}-"
             f"token chunks + {args.question_tokens}-token question, {args.output_tokens} out",
         )

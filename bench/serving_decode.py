@@ -1,5 +1,6 @@
 """Parts 2 and 3 of bench/serving.py: batched decode throughput against the number of sequences,
-and decode step time against context length beside its attention reads alone."""
+and decode step time against context length beside its attention reads alone; with
+`--cuda-graphs`, each step also replayed from CUDA graphs, side by side with the eager step."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def decode_step_seconds(
 
 
 def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str]) -> list[dict]:
+    """One batched decode step per batch size, eager and (with `--cuda-graphs`) replayed from
+    the CUDA graphs the engine captures per bucket, tokens/s and the ratio to batch 1 of the
+    same variant."""
     engine = _decode_engine(loaded, store, max(args.decode_batches), args.decode_model_len)
     rows = []
     try:
@@ -50,39 +54,54 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
             f"{max(args.decode_batches)} sequences x {engine.max_model_len} positions, "
             f"pool {2 * engine.runner.keys.nbytes / 2**30:.2f} GiB"
         )
-        for batch in args.decode_batches:
-            if batch > engine.scheduler.max_num_seqs:
-                print(f"skip batch {batch}: only {engine.scheduler.max_num_seqs} sequences fit")
-                continue
-            seconds, spread = decode_step_seconds(
-                engine, batch, args.decode_context, args.decode_repeats
-            )
-            rows.append(
-                {
-                    "batch": batch,
-                    "context": args.decode_context,
-                    "step_s": seconds,
-                    "stdev_s": spread,
-                    "tokens_per_s": batch / seconds,
-                }
-            )
-            print(f"  decode batch {batch:3d}: {seconds * 1e3:8.2f} ms/step", flush=True)
+        for variant in variants(engine, args):
+            for batch in args.decode_batches:
+                if batch > engine.scheduler.max_num_seqs:
+                    print(f"skip batch {batch}: only {engine.scheduler.max_num_seqs} sequences fit")
+                    continue
+                seconds, spread = decode_step_seconds(
+                    engine, batch, args.decode_context, args.decode_repeats
+                )
+                rows.append(
+                    {
+                        "step": variant,
+                        "batch": batch,
+                        "context": args.decode_context,
+                        "step_s": seconds,
+                        "stdev_s": spread,
+                        "tokens_per_s": batch / seconds,
+                    }
+                )
+                print(
+                    f"  {variant} decode batch {batch:3d}: {seconds * 1e3:8.2f} ms/step", flush=True
+                )
     finally:
         engine.close()
         del engine
         gc.collect()
     for row in rows:
-        row["vs_batch_1"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        first = next(r for r in rows if r["step"] == row["step"])
+        row["vs_batch_1"] = row["tokens_per_s"] / first["tokens_per_s"]
     return rows
+
+
+def variants(engine: Engine, args: argparse.Namespace):
+    """Yields "eager", then, with `--cuda-graphs N`, "graphs" after switching the engine's
+    runner to replay steps of up to N rows from CUDA graphs."""
+    yield "eager"
+    if getattr(args, "cuda_graphs", 0):
+        engine.runner.use_cuda_graphs(args.cuda_graphs)
+        yield "graphs"
 
 
 def attention_and_copy_seconds(
     engine: Engine, batch: int, context: int, repeats: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """Seconds of the decode step's attention reads alone (every layer, the runner's own
-    attention over the same blocks: `ModelRunner.reads` and `attention`), and of one torch.cat
-    of the context KV per layer (what a cache that grows by concatenation, as transformers'
-    DynamicCache, adds to every token)."""
+    attention over the same blocks: `ModelRunner.reads` and `attention`), of one SDPA per layer
+    over each row's context held contiguously (a slot per sequence, read as a view: what the
+    block table replaced), and of one torch.cat of the context KV per layer (what a cache that
+    grows by concatenation, as transformers' DynamicCache, adds to every token)."""
     runner = engine.runner
     shape = engine.ops.shape
     keys = runner.keys
@@ -116,9 +135,15 @@ def attention_and_copy_seconds(
             torch.cat([context_keys, new], dim=2)
             torch.cat([context_values, new], dim=2)
 
+    @torch.inference_mode()
+    def slot_view():
+        for _ in range(shape.num_layers):
+            torch.nn.functional.scaled_dot_product_attention(q, context_keys, context_values)
+
     attn, _, _ = median_seconds(attention, repeats, engine.device)
+    slot, _, _ = median_seconds(slot_view, repeats, engine.device)
     copy, _, _ = median_seconds(concatenate, repeats, engine.device)
-    return attn, copy
+    return attn, slot, copy
 
 
 def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
@@ -130,7 +155,9 @@ def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
         for batch in args.step_batches:
             for context in (args.short_context, long_context):
                 step, spread = decode_step_seconds(engine, batch, context, args.decode_repeats)
-                attn, copy = attention_and_copy_seconds(engine, batch, context, args.decode_repeats)
+                attn, slot, copy = attention_and_copy_seconds(
+                    engine, batch, context, args.decode_repeats
+                )
                 rows.append(
                     {
                         "batch": batch,
@@ -138,6 +165,7 @@ def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
                         "step_s": step,
                         "stdev_s": spread,
                         "attention_s": attn,
+                        "slot_view_attention_s": slot,
                         "step_minus_attention_s": step - attn,
                         "kv_concat_s": copy,
                         "kv_bytes_read": 2
@@ -151,7 +179,19 @@ def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
                 )
                 print(
                     f"  step batch {batch:2d} context {context:5d}: {step * 1e3:8.2f} ms, "
-                    f"attention {attn * 1e3:8.2f} ms, concat {copy * 1e3:8.2f} ms",
+                    f"attention {attn * 1e3:8.2f} ms (slot view {slot * 1e3:8.2f} ms), "
+                    f"concat {copy * 1e3:8.2f} ms",
+                    flush=True,
+                )
+        if getattr(args, "cuda_graphs", 0):
+            engine.runner.use_cuda_graphs(args.cuda_graphs)
+            for row in rows:
+                row["graphs_step_s"], _ = decode_step_seconds(
+                    engine, row["batch"], row["context"], args.decode_repeats
+                )
+                print(
+                    f"  graphs step batch {row['batch']:2d} context {row['context']:5d}: "
+                    f"{row['graphs_step_s'] * 1e3:8.2f} ms",
                     flush=True,
                 )
     finally:

@@ -18,11 +18,31 @@ from engine.engine import Engine
 from engine.types import Mode
 
 
+def warm_up(engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace) -> None:
+    """`--warm-up` requests sent at once, so that the steps of a batch (decodes of many rows,
+    prefills side by side and in pieces) have run before anything is timed: on a GPU the first
+    run of each shape pays for allocations and kernel plans."""
+    request = request_for(mode, args)
+    layouts = workload.layouts[: min(args.warm_up, engine.scheduler.max_num_seqs)]
+
+    async def burst() -> None:
+        await asyncio.gather(
+            *(
+                one_request(engine, request, layout, Outcome(arrival_s=time.perf_counter()))
+                for layout in layouts
+            )
+        )
+
+    asyncio.run(burst())
+
+
 def measure_unloaded(
     engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace
 ) -> Unloaded:
     """Medians of requests sent one at a time (after one warm-up), streamed as under load."""
     request = request_for(mode, args)
+    if args.warm_up:
+        warm_up(engine, workload, mode, args)
     outcomes = []
     for layout in workload.unloaded:
         outcome = Outcome(arrival_s=time.perf_counter())
@@ -30,12 +50,20 @@ def measure_unloaded(
         if outcome.result is None:
             raise RuntimeError(f"unloaded {mode.value} request failed: {outcome.error}")
         outcomes.append(outcome)
-    measured = outcomes[1:]
-    tpots = [t for o in measured if (t := o.tpot_s()) is not None]
+    measured = [o.result.timings for o in outcomes[1:] if o.result]
+    tpots = [t for o in outcomes[1:] if (t := o.tpot_s()) is not None]
+
+    def median(field: str) -> float:
+        return statistics.median(getattr(t, field) for t in measured)
+
     return Unloaded(
-        ttft_s=statistics.median(o.result.timings.ttft_s for o in measured if o.result),
-        request_s=statistics.median(o.result.timings.total_s for o in measured if o.result),
+        ttft_s=median("ttft_s"),
+        request_s=median("total_s"),
         tpot_s=statistics.median(tpots) if tpots else math.nan,
+        queue_s=median("queue_s"),
+        prefill_s=median("prefill_s"),
+        kv_wait_s=median("kv_wait_s"),
+        recompute_s=median("recompute_s"),
     )
 
 
@@ -169,7 +197,7 @@ def serving(
                     u = unloaded[mode]
                     print(
                         f"unloaded {mode.value}: TTFT {u.ttft_s:.3f} s, TPOT {u.tpot_s:.4f} s, "
-                        f"request {u.request_s:.3f} s"
+                        f"request {u.request_s:.3f} s; TTFT: {u.split()}"
                     )
                 else:
                     engine.generate(request_for(mode, args), layout=workload.unloaded[0])
@@ -196,6 +224,10 @@ def serving(
                         "sustained_rate": rate,
                         "sustained_how": how,
                         "unloaded_tpot_s": config.unloaded.tpot_s,
+                        "unloaded_queue_s": config.unloaded.queue_s,
+                        "unloaded_prefill_s": config.unloaded.prefill_s,
+                        "unloaded_kv_wait_s": config.unloaded.kv_wait_s,
+                        "unloaded_recompute_s": config.unloaded.recompute_s,
                     }
                 )
                 if (row := target_row(config_points, summary[-1])) is not None:

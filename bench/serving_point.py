@@ -87,6 +87,19 @@ class Unloaded:
     ttft_s: float
     request_s: float
     tpot_s: float
+    # Medians of the engine's own split of a request alone: queued, prefilling (of which
+    # waiting on chunk KV and computing layers), what the first token's TTFT leaves over.
+    queue_s: float = math.nan
+    prefill_s: float = math.nan
+    kv_wait_s: float = math.nan
+    recompute_s: float = math.nan
+
+    def split(self) -> str:
+        return (
+            f"queue {self.queue_s:.3f} s, prefill {self.prefill_s:.3f} s (KV wait "
+            f"{self.kv_wait_s:.3f} s, layers computing {self.recompute_s:.3f} s), rest "
+            f"{self.ttft_s - self.queue_s - self.prefill_s:.3f} s"
+        )
 
 
 @dataclass

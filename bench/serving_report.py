@@ -95,27 +95,33 @@ def markdown(
             "",
             f"### Decode throughput, context {decode[0]['context']} tokens",
             "",
-            "| concurrent sequences | step (ms) | tokens/s | vs batch 1 |",
-            "|---:|---:|---:|---:|",
+            "| step | concurrent sequences | step (ms) | tokens/s | vs batch 1 |",
+            "|---|---:|---:|---:|---:|",
         ]
         for r in decode:
             out.append(
-                f"| {r['batch']} | {r['step_s'] * 1e3:.2f} | {r['tokens_per_s']:.1f} "
-                f"| {r['vs_batch_1']:.2f}x |"
+                f"| {r.get('step', 'eager')} | {r['batch']} | {r['step_s'] * 1e3:.2f} "
+                f"| {r['tokens_per_s']:.1f} | {r['vs_batch_1']:.2f}x |"
             )
     if steps:
+        graphs = "graphs_step_s" in steps[0]
         out += [
             "",
             "### Decode step time vs context",
             "",
-            "| batch | context | step (ms) | attention reads (ms) | step - attention (ms) "
+            "| batch | context | step (ms) | "
+            + ("step from CUDA graphs (ms) | " if graphs else "")
+            + "attention reads (ms) | slot view reads (ms) | step - attention (ms) "
             "| KV read (MiB) | a per-token KV concat would add (ms) |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|" + ("---:|" if graphs else "") + "---:|---:|---:|---:|---:|",
         ]
         for r in steps:
             out.append(
                 f"| {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.2f} "
-                f"| {r['attention_s'] * 1e3:.2f} | {r['step_minus_attention_s'] * 1e3:.2f} "
+                + (f"| {r['graphs_step_s'] * 1e3:.2f} " if graphs else "")
+                + f"| {r['attention_s'] * 1e3:.2f} "
+                f"| {r.get('slot_view_attention_s', math.nan) * 1e3:.2f} "
+                f"| {r['step_minus_attention_s'] * 1e3:.2f} "
                 f"| {r['kv_bytes_read'] / 2**20:.1f} | {r['kv_concat_s'] * 1e3:.2f} |"
             )
         out.append("")
