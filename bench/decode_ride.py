@@ -129,7 +129,10 @@ def main() -> None:
         for batch in args.decodes:
             decode = (tables[:batch], [args.context] * batch, [5] * batch)
             per_step = (args.budget - batch) * layers
-            prefill_in_steps(engine, layout, mode, decode, per_step, riding=True)  # warm-up
+            # A warm-up of each variant: on a GPU a shape's first run pays for allocations and
+            # kernel plans (a cacheblend step there took 720 ms the first time, ~150 ms after).
+            for variant in VARIANTS:
+                prefill_in_steps(engine, layout, mode, decode, per_step, variant == "riding")
             runs: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
             for _ in range(args.rounds):
                 for variant in VARIANTS:
