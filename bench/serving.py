@@ -26,9 +26,9 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
 With `--cuda-graphs N` (CUDA), parts 2 and 3 also time each step replayed from CUDA graphs.
 
 CPU default: llama-124m shape in bfloat16; `--device cuda`: mistral-7b shape. Writes
-bench/results/serving-<device>[-decode|-steps|-summary].csv, bench/results/serving-<device>.md
-and docs/serving-<device>.png (`--quick`: a ~1-2 minute smoke run with one overload point,
-files tagged -quick).
+bench/results/serving-<device>[-decode|-steps|-summary|-timeline].csv,
+bench/results/serving-<device>.md and docs/serving-<device>.png (`--quick`: a ~1-2 minute
+smoke run with one overload point, files tagged -quick).
 """
 
 from __future__ import annotations
@@ -242,10 +242,10 @@ def main() -> None:
     store = build_store(loaded)
     threads = torch.get_num_threads()
     notes: list[str] = []
-    points, summary, decode, steps = [], [], [], []
+    points, summary, timelines, decode, steps = [], [], [], [], []
     if "serving" in args.parts:
         print("serving under Poisson load", flush=True)
-        points, summary = serving(loaded, store, args, notes)
+        points, summary, timelines = serving(loaded, store, args, notes)
     if "decode" in args.parts:
         print("decode throughput", flush=True)
         decode = decode_throughput(loaded, store, args, notes)
@@ -289,6 +289,7 @@ def main() -> None:
     extra = {"device": args.device, "shape": model, "dtype": args.dtype}
     write_csv(RESULTS / f"serving-{tag}.csv", [point_row(p) for p in points], extra)
     write_csv(RESULTS / f"serving-{tag}-summary.csv", summary, extra)
+    write_csv(RESULTS / f"serving-{tag}-timeline.csv", timelines, extra)
     write_csv(RESULTS / f"serving-{tag}-decode.csv", decode, extra)
     write_csv(RESULTS / f"serving-{tag}-steps.csv", steps, extra)
     (RESULTS / f"serving-{tag}.md").write_text(report)

@@ -9,6 +9,7 @@ import gc
 import math
 import statistics
 import time
+from dataclasses import asdict
 
 from serving_overload import TARGET_FACTOR, overload_rates, rerun_pair, target_row, target_text
 from serving_point import Config, Outcome, Point, Unloaded, one_request, run_point, summarise
@@ -50,7 +51,8 @@ def measure_unloaded(
         if outcome.result is None:
             raise RuntimeError(f"unloaded {mode.value} request failed: {outcome.error}")
         outcomes.append(outcome)
-    measured = [o.result.timings for o in outcomes[1:] if o.result]
+    results = sorted((o.result for o in outcomes[1:] if o.result), key=lambda r: r.timings.ttft_s)
+    measured = [r.timings for r in results]
     tpots = [t for o in outcomes[1:] if (t := o.tpot_s()) is not None]
 
     def median(field: str) -> float:
@@ -64,6 +66,7 @@ def measure_unloaded(
         prefill_s=median("prefill_s"),
         kv_wait_s=median("kv_wait_s"),
         recompute_s=median("recompute_s"),
+        layers=results[len(results) // 2].layers,
     )
 
 
@@ -166,7 +169,10 @@ def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict:
 
 def serving(
     loaded, store, args: argparse.Namespace, notes: list[str]
-) -> tuple[list[Point], list[dict]]:
+) -> tuple[list[Point], list[dict], list[dict]]:
+    """The points of every (scheduler, mode), a summary row each, and the layer timeline of
+    each mode's unloaded request of median TTFT (when each layer's KV was loaded and computed,
+    seconds since its prefill started)."""
     schedulers = [("batching", args.max_num_seqs), ("one-at-a-time", 1)]
     schedulers = [s for s in schedulers if s[0] in args.schedulers]
     points: list[Point] = []
@@ -236,4 +242,7 @@ def serving(
                 engine.close()
                 del engine
                 gc.collect()
-    return points, summary
+    timelines = [
+        {"mode": mode.value, **asdict(layer)} for mode, u in unloaded.items() for layer in u.layers
+    ]
+    return points, summary, timelines

@@ -93,6 +93,8 @@ class Unloaded:
     prefill_s: float = math.nan
     kv_wait_s: float = math.nan
     recompute_s: float = math.nan
+    # The layer timeline (engine.types.LayerTimes) of the request of median TTFT.
+    layers: list = field(default_factory=list)
 
     def split(self) -> str:
         return (
