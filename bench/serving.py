@@ -175,6 +175,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--device cuda but torch sees no GPU")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         parser.error("--max-num-batched-tokens must be at least 1")
+    if args.cuda_graphs < 0 or (args.warm_up is not None and args.warm_up < 0):
+        parser.error("--cuda-graphs and --warm-up must be at least 0")
     if args.cuda_graphs and args.device != "cuda":
         parser.error("--cuda-graphs needs --device cuda")
     if args.decode_slack is not None and args.decode_slack < 0:

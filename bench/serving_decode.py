@@ -54,7 +54,9 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
             f"{max(args.decode_batches)} sequences x {engine.max_model_len} positions, "
             f"pool {2 * engine.runner.keys.nbytes / 2**30:.2f} GiB"
         )
-        for variant in variants(engine, args):
+        for variant in ("eager", "graphs") if args.cuda_graphs else ("eager",):
+            if variant == "graphs":
+                engine.runner.use_cuda_graphs(args.cuda_graphs)
             for batch in args.decode_batches:
                 if batch > engine.scheduler.max_num_seqs:
                     print(f"skip batch {batch}: only {engine.scheduler.max_num_seqs} sequences fit")
@@ -83,15 +85,6 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
         first = next(r for r in rows if r["step"] == row["step"])
         row["vs_batch_1"] = row["tokens_per_s"] / first["tokens_per_s"]
     return rows
-
-
-def variants(engine: Engine, args: argparse.Namespace):
-    """Yields "eager", then, with `--cuda-graphs N`, "graphs" after switching the engine's
-    runner to replay steps of up to N rows from CUDA graphs."""
-    yield "eager"
-    if getattr(args, "cuda_graphs", 0):
-        engine.runner.use_cuda_graphs(args.cuda_graphs)
-        yield "graphs"
 
 
 def attention_and_copy_seconds(
@@ -183,7 +176,7 @@ def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
                     f"concat {copy * 1e3:8.2f} ms",
                     flush=True,
                 )
-        if getattr(args, "cuda_graphs", 0):
+        if args.cuda_graphs:
             engine.runner.use_cuda_graphs(args.cuda_graphs)
             for row in rows:
                 row["graphs_step_s"], _ = decode_step_seconds(

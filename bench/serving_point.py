@@ -14,7 +14,7 @@ from serving_workload import Workload, request_for
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.prompt import PromptLayout
-from engine.types import GenerateRequest, GenerateResult, Mode, StepRecord, TokenDelta
+from engine.types import GenerateRequest, GenerateResult, LayerTimes, Mode, StepRecord, TokenDelta
 
 # Added to the drain cap: a healthy engine answers within it even on a busy shared CPU.
 DRAIN_MARGIN_S = 10.0
@@ -94,7 +94,7 @@ class Unloaded:
     kv_wait_s: float = math.nan
     recompute_s: float = math.nan
     # The layer timeline (engine.types.LayerTimes) of the request of median TTFT.
-    layers: list = field(default_factory=list)
+    layers: list[LayerTimes] = field(default_factory=list)
 
     def split(self) -> str:
         return (
