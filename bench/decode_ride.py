@@ -4,13 +4,13 @@ piece, against the decode rows riding in the piece's forward, side by side on on
     .venv/bin/python bench/decode_ride.py                  # ~3 min on 2 cores
     .venv/bin/python bench/decode_ride.py --decodes 1 8 --rounds 3
 
-Per (mode, decode batch, variant): one prompt of 6 pooled 512-token chunks + a 32-token
-question prefilled in steps of `--budget` tokens x L token-layers (the engine's step budget,
-counted by tokens only: the time allowance is not learnt here, so both variants do the same
-prefill work per step), each step also decoding `--decodes` sequences at `--context`
-positions. Reports the steps, their median and p90 time and the prefill's total time; the
-variants of a round run one after the other, medians over rounds. Prints a table and writes
-bench/results/decode_ride-<device>.csv.
+Per (mode, decode batch, variant): one prompt of `--chunks` (6) pooled `--chunk-tokens` (512)
+chunks + a 32-token question prefilled in steps of `--budget` tokens x L token-layers (the
+engine's step budget, counted by tokens only: the time allowance is not learnt here, so both
+variants do the same prefill work per step), each step also decoding `--decodes` sequences at
+`--context` positions. Reports the steps, their median and p90 time and the prefill's total
+time; the variants of a round run one after the other, medians over rounds. Prints a table and
+writes bench/results/decode_ride-<device>.csv.
 """
 
 from __future__ import annotations
@@ -69,9 +69,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
     args = parser.parse_args()
     if min(args.decodes) < 1 or args.budget <= max(args.decodes) or args.rounds < 1:
         parser.error("--decodes must be >= 1 and below --budget, --rounds >= 1")
+    if args.chunks < 1 or args.chunk_tokens < 1:
+        parser.error("--chunks and --chunk-tokens must be >= 1")
     return args
 
 
@@ -119,7 +123,7 @@ def main() -> None:
     args = parse_args()
     loaded = build_model(args.shape, args.device, args.dtype)
     engine = build_engine(loaded, max_num_seqs=max(args.decodes), max_model_len=4096)
-    layout = random_layout(engine, 6, 512, 32)
+    layout = random_layout(engine, args.chunks, args.chunk_tokens, 32)
     store_chunks(engine, layout)
     layers = engine.ops.shape.num_layers
     pool = BlockManager(engine.runner.num_blocks, engine.runner.block_size)

@@ -15,7 +15,6 @@ import argparse
 import csv
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from harness import (
@@ -29,10 +28,9 @@ from harness import (
     workload_model,
 )
 from layer_profile import PARTS, LayerProfile
+from paths import results_dir, shown
 
 from engine.types import Mode
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -121,8 +119,7 @@ def main() -> None:
                 f"{mode.value:<14}{'' if ratio is None else ratio!s:>6}{tier:>8}"
                 + "".join(f"{statistics.median(s[n] for s in timed):>14.4f}" for n in names)
             )
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / results_name(args, "engine_ttft")
+    out = results_dir() / results_name(args, "engine_ttft")
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(
             f, fieldnames=["device", "model", "dtype", "prompt_tokens", *rows[0]]
@@ -138,7 +135,7 @@ def main() -> None:
                     **row,
                 }
             )
-    print(f"wrote {out}")
+    print(f"wrote {shown(out)}")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from paths import results_dir, shown
 
 from engine.blocks import BlockManager
 from engine.engine import Engine
 from engine.types import Chunk, GenerateRequest, Mode, Penalties
 
 ROOT = Path(__file__).parent.parent
-RESULTS = Path(__file__).parent / "results"
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
-    parser.add_argument("--out", type=Path, default=RESULTS / "generation_defaults.csv")
+    parser.add_argument("--out", type=Path, default=results_dir() / "generation_defaults.csv")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -284,7 +284,7 @@ def main() -> None:
             f"| {row['setting']} | {row['repeated_3grams']:.3f} "
             f"| {row['right_fact']}/{row['questions']} | {row['mean_tokens']} |"
         )
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {shown(args.out)}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from paths import results_dir, shown
 from transformers import AutoModelForCausalLM
 
 from demo.tiny import build_tokenizer, model_config
@@ -21,8 +22,6 @@ from engine.model import LoadedModel, load_model, model_fingerprint, parse_dtype
 from engine.prompt import PromptLayout
 from kvstore.store import KVStore, KVStoreConfig
 from ragblend.model import bundled_model_dtype
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 SHAPES = {
     "llama-124m": dict(
@@ -45,13 +44,13 @@ SHAPES = {
 
 
 def write_rows(name: str, rows: list) -> None:
-    """Dataclass rows as bench/results/`name`, a column per field."""
-    RESULTS.mkdir(exist_ok=True)
-    with (RESULTS / name).open("w", newline="") as f:
+    """Dataclass rows as bench/results/`name` (paths.results_dir), a column per field."""
+    path = results_dir() / name
+    with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
         writer.writerows(asdict(row) for row in rows)
-    print(f"wrote bench/results/{name}")
+    print(f"wrote {shown(path)}")
 
 
 def default_dtype() -> str:

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.paths import results_dir, shown  # noqa: E402
 from kvstore import codec  # noqa: E402
 from kvstore.codec import QuantizedPair  # noqa: E402
 from kvstore.ssd_tier import SSDTier  # noqa: E402
@@ -132,7 +133,7 @@ def main() -> None:
         row["read_dequantize_speedup"] = round(
             base["read_dequantize_s"] / row["read_dequantize_s"], 2
         )
-    path = args.csv or ROOT / f"bench/results/kv_codec-{device.type}.csv"
+    path = args.csv or results_dir() / f"kv_codec-{device.type}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -152,7 +153,7 @@ def main() -> None:
             f"| {row['read_gb_per_s']:.2f} | {row['read_speedup']:.2f}x "
             f"| {row['read_dequantize_s']:.3f} | {row['read_dequantize_speedup']:.2f}x |"
         )
-    print(f"\nwrote {path}")
+    print(f"\nwrote {shown(path)}")
 
 
 if __name__ == "__main__":

@@ -29,11 +29,10 @@ from harness import (  # noqa: E402
     store_chunks,
     workload_model,
 )
+from paths import plots_dir, results_dir, shown  # noqa: E402
 
 from engine.prefill import Prefill  # noqa: E402
 from engine.types import Mode  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -173,8 +172,7 @@ def main() -> None:
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'MISS'}  {name}")
 
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    out = ROOT / "bench" / "results" / results_name(args, "kv_pipeline")
+    out = results_dir() / results_name(args, "kv_pipeline")
     fields = [
         "case",
         "tier",
@@ -191,12 +189,10 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    plot(
-        rows,
-        ROOT / "docs" / results_name(args, "kv_pipeline", "png"),
-        f"{model_label(args)} {args.dtype} on {args.device}, {layout.num_tokens} tokens",
-    )
-    print(f"wrote {out}")
+    png = plots_dir() / results_name(args, "kv_pipeline", "png")
+    title = f"{model_label(args)} {args.dtype} on {args.device}, {layout.num_tokens} tokens"
+    plot(rows, png, title)
+    print(f"wrote {shown(out)} and {shown(png)}")
 
 
 def rows_of(rows: list[dict], case: str, tier: str) -> dict:
@@ -222,7 +218,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(f"TTFT by mode and KV tier — {title}")
     ax.axhline(rows[0]["ttft_s"], color="#777", linestyle="--", linewidth=1)
     fig.tight_layout()
-    path.parent.mkdir(exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the reference in tests/
 
 from harness import SHAPES, build_model, default_dtype, interleaved_medians  # noqa: E402
+from paths import results_dir, shown  # noqa: E402
 
 from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager  # noqa: E402
 from engine.layers import LayerOps  # noqa: E402
@@ -44,7 +45,6 @@ from engine.sequence import Sequence  # noqa: E402
 from kvstore.types import kv_token_bytes  # noqa: E402
 from tests.engine.slot_reference import SlotPool  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODEL_LEN = 8192
 MIN_PROMPT = 256
 SECTIONS = ("capacity", "decode", "shared-capacity", "shared-decode")
@@ -241,13 +241,14 @@ def _nothing() -> None:
     pass
 
 
-def write_csv(name: str, rows: list[dict]) -> Path:
-    path = RESULTS / name
+def write_csv(name: str, rows: list[dict]) -> str:
+    """`rows` as bench/results/`name` (paths.results_dir); the path as printed."""
+    path = results_dir() / name
     with path.open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    return path
+    return shown(path)
 
 
 def main() -> None:

@@ -4,12 +4,13 @@ side by side on one model, the time summed over its pieces against the whole pre
     .venv/bin/python bench/prefill_pieces.py                    # ~2 min on 2 cores
     .venv/bin/python bench/prefill_pieces.py --budgets 128 512 --rounds 5
 
-Per (mode, budget): one prompt of 6 pooled 512-token chunks + a 32-token question, prefilled
-in steps of `budget` tokens x L token-layers (counted by tokens only, as the engine's step
-budget before it learns a pace), nothing else in the step. The budgets of a round run one
-after the other; medians over rounds. Why the engine banks decoding sequences' slack instead
-of lending it a budget at a time (docs/engine.md, "Slack lent by decoding sequences, and
-banked"). Prints a table and writes bench/results/prefill_pieces-<device>.csv.
+Per (mode, budget): one prompt of `--chunks` (6) pooled `--chunk-tokens` (512) chunks + a
+32-token question, prefilled in steps of `budget` tokens x L token-layers (counted by tokens
+only, as the engine's step budget before it learns a pace), nothing else in the step. The
+budgets of a round run one after the other; medians over rounds. Why the engine banks decoding
+sequences' slack instead of lending it a budget at a time (docs/engine.md, "Slack lent by
+decoding sequences, and banked"). Prints a table and writes
+bench/results/prefill_pieces-<device>.csv.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["full_prefill", "cacheblend"])
     parser.add_argument("--budgets", type=int, nargs="+", default=[2048, 512, 256, 128])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
     args = parser.parse_args()
-    if min(args.budgets) < 1 or args.rounds < 1:
-        parser.error("--budgets must be >= 1 and --rounds >= 1")
+    if min(args.budgets) < 1 or args.rounds < 1 or args.chunks < 1 or args.chunk_tokens < 1:
+        parser.error("--budgets, --rounds, --chunks and --chunk-tokens must be >= 1")
     return args
 
 
@@ -93,7 +96,7 @@ def main() -> None:
     args = parse_args()
     loaded = build_model(args.shape, args.device, args.dtype)
     engine = build_engine(loaded, max_num_seqs=1, max_model_len=4096)
-    layout = random_layout(engine, 6, 512, 32)
+    layout = random_layout(engine, args.chunks, args.chunk_tokens, 32)
     store_chunks(engine, layout)
     budgets = [math.inf, *args.budgets]
     rows: list[Row] = []

@@ -49,6 +49,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.paths import plots_dir, results_dir, shown  # noqa: E402
 from demo import MODEL_DIR  # noqa: E402
 from demo.corpus import (  # noqa: E402
     KINDS,
@@ -513,6 +514,8 @@ def plot(rows: list[dict], docs_dir: Path) -> None:
     for ax, setting in zip(axes[0], settings, strict=True):
         for kind, color in zip([*KINDS, "all"], ["C0", "C1", "C2", "k"], strict=True):
             pick = {label(r): r for r in rows if r["retrieval"] == setting and r["kind"] == kind}
+            if not pick:  # fewer --questions than kinds: this kind was not drawn
+                continue
             xs = [0.0, *RATIOS, 1.0]
             ys = [
                 pick["full_reuse"]["exact_match"],
@@ -575,7 +578,7 @@ def main() -> None:
         type=Path,
         help="default bench/results/quality.csv (test) or quality_validation.csv (validation)",
     )
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs")
+    parser.add_argument("--docs", type=Path, default=plots_dir())
     parser.add_argument(
         "--kv-encodings",
         nargs="+",
@@ -593,18 +596,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.csv is None:
         name = "quality.csv" if args.split == "test" else f"quality_{args.split}.csv"
-        args.csv = ROOT / "bench/results" / name
+        args.csv = results_dir() / name
     # Plots show headline figures, which come from the test split only.
     plots = args.split == "test"
 
     engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
     examples = held_out(args.questions, SEEDS[args.split])
-    if args.kv_encodings:
-        encoding_main(engine, examples, args)
-        return
-    if args.baselines:
-        baselines_main(engine, examples, args, plots)
-        return
+    try:
+        if args.kv_encodings:
+            encoding_main(engine, examples, args)
+        elif args.baselines:
+            baselines_main(engine, examples, args, plots)
+        else:
+            sweep_main(engine, examples, args, plots)
+    finally:
+        # The worker thread may still be writing back chunk KV: a daemon thread inside torch
+        # when the interpreter exits aborts the process (SIGABRT) after every file was written.
+        engine.close()
+
+
+def sweep_main(
+    engine: Engine, examples: list[Example], args: argparse.Namespace, plots: bool
+) -> None:
     records = run(engine, examples, [list(e.passages) for e in examples], "off")
     if not args.no_retrieval:
         contexts = retrieved_passages(examples, args.top_k)
@@ -632,7 +645,7 @@ def main() -> None:
     written = [args.csv]
     if plots:
         written += [args.docs / "quality_vs_ratio.png", args.docs / "ttft_vs_quality.png"]
-    print(f"\nwrote {', '.join(map(str, written))}")
+    print(f"\nwrote {', '.join(map(shown, written))}")
 
 
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
@@ -661,7 +674,7 @@ def baselines_main(
         f"{SEEDS[args.split]}), {len(examples)} questions ({seconds:.0f} s)\n"
     )
     print(baseline_table(rows))
-    print(f"\nwrote {', '.join(map(str, written))}")
+    print(f"\nwrote {', '.join(map(shown, written))}")
 
 
 def encoding_main(engine: Engine, examples: list[Example], args: argparse.Namespace) -> None:
@@ -688,7 +701,7 @@ def encoding_main(engine: Engine, examples: list[Example], args: argparse.Namesp
             f"| {row['f1']:.3f} | {row['agreement_with_none']:.3f} | {row['kv_deviation']:.4f} "
             f"| {row['kv_deviation_vs_none']:.6f} | {row['chunk_kv_error']:.2e} |"
         )
-    print(f"\nwrote {path}")
+    print(f"\nwrote {shown(path)}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.paths import plots_dir, results_dir, shown  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.oracle import Oracle  # noqa: E402
 from engine.selection import Selection  # noqa: E402
@@ -458,12 +459,12 @@ def main() -> None:
     parser.add_argument("--auto-max-ratio", type=ratio, default=0.5)
     parser.add_argument("--layer-ratios", type=ratio, nargs="+", default=list(LAYER_RATIOS))
     parser.add_argument("--threads", type=positive, default=2)
-    parser.add_argument("--csv", type=Path, default=ROOT / "bench/results/quality_real.csv")
-    parser.add_argument("--png", type=Path, default=ROOT / "docs/quality_real.png")
+    parser.add_argument("--csv", type=Path, default=results_dir() / "quality_real.csv")
+    parser.add_argument("--png", type=Path, default=plots_dir() / "quality_real.png")
     parser.add_argument(
         "--prompts-csv",
         type=Path,
-        default=ROOT / "bench/results/quality_real-prompts.csv",
+        default=results_dir() / "quality_real-prompts.csv",
         help="one row per prompt and setting",
     )
     parser.add_argument(
@@ -571,7 +572,7 @@ def report(rows: list[dict], args: argparse.Namespace, title: str) -> None:
     print(f"\nagainst {REFERENCE_SETTING} (targets: KL <= 0.5 x at its time, or time <= 0.6 x")
     print("at its KL)\n")
     print(equal_ttft_table(rows))
-    print(f"\nwrote {args.csv}, {args.png}")
+    print(f"\nwrote {shown(args.csv)}, {shown(args.png)}")
 
 
 if __name__ == "__main__":

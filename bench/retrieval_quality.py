@@ -48,6 +48,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.paths import results_dir, shown  # noqa: E402
 from bench.quality import documents  # noqa: E402
 from demo import MODEL_DIR  # noqa: E402
 from demo.corpus import KINDS, Example, held_out, held_out_collections  # noqa: E402
@@ -342,7 +343,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
-    args.csv = args.csv or ROOT / f"bench/results/retrieval_quality-{args.corpus}.csv"
+    args.csv = args.csv or results_dir() / f"retrieval_quality-{args.corpus}.csv"
 
     groups = question_sets(args.corpus, args.questions, args.seed, args.collection_size)
     examples = [e for group in groups for e in group]
@@ -358,11 +359,18 @@ def main() -> None:
     ems: list[dict] = []
     if not args.no_em:
         engine = Engine.from_pretrained(args.model, device="cpu", dtype="float32")
-        gold = [list(e.passages) for e in examples]
-        ems += em_rows(args.corpus, engine, examples, gold, GOLD, "score", clean)
-        runs = [(s, o) for s in settings for o in args.orders]
-        for setting, order in tqdm(runs, desc="answer", unit="setting"):
-            ems += em_rows(args.corpus, engine, examples, contexts[setting], setting, order, clean)
+        try:
+            gold = [list(e.passages) for e in examples]
+            ems += em_rows(args.corpus, engine, examples, gold, GOLD, "score", clean)
+            runs = [(s, o) for s in settings for o in args.orders]
+            for setting, order in tqdm(runs, desc="answer", unit="setting"):
+                ems += em_rows(
+                    args.corpus, engine, examples, contexts[setting], setting, order, clean
+                )
+        finally:
+            # As in bench/quality.py: a KV write-back still running on the worker thread when
+            # the interpreter exits aborts the process.
+            engine.close()
 
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
@@ -383,7 +391,7 @@ def main() -> None:
     if ems:
         print()
         print(em_table(ems))
-    print(f"\nwrote {args.csv}" + (" and its _em.csv" if ems else ""))
+    print(f"\nwrote {shown(args.csv)}" + (" and its _em.csv" if ems else ""))
 
 
 if __name__ == "__main__":

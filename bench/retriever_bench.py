@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from paths import results_dir, shown
 
 from retriever.embeddings import Embedder
 from retriever.index import IndexParams, VectorIndex
 from retriever.service import DocumentInput, RetrieverService
 from retriever.settings import RetrieverSettings
 
-RESULTS = Path(__file__).resolve().parent / "results" / "retriever.csv"
 WORDS = [
     "river",
     "harbour",
@@ -265,8 +265,8 @@ def main() -> None:
     queries = synthetic(real_queries, args.queries, args.noise, seed=7)
     bench_index(args, base, queries, rows)
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "w", newline="") as f:
+    out = results_dir() / "retriever.csv"
+    with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["step", "index", "chunks", "value", "unit"])
         writer.writeheader()
         writer.writerows(rows)
@@ -274,7 +274,7 @@ def main() -> None:
     print("|---|---|---:|---:|---|")
     for r in rows:
         print(f"| {r['step']} | {r['index']} | {r['chunks']} | {r['value']} | {r['unit']} |")
-    print(f"\ntotal run time {time.perf_counter() - started:.0f} s; CSV: {RESULTS}")
+    print(f"\ntotal run time {time.perf_counter() - started:.0f} s; CSV: {shown(out)}")
 
 
 if __name__ == "__main__":

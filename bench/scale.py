@@ -24,8 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.load import ModeStats, one_query, percentile  # noqa: E402
+from bench.paths import results_dir  # noqa: E402
 
-RESULTS = REPO_ROOT / "bench/results/scale-cpu.csv"
 QUESTIONS = (
     "What is the job of Goulpu?",
     "Where does the river flow?",
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=20.0, help="load per engine count")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=3)
-    parser.add_argument("--csv", type=Path, default=RESULTS)
+    parser.add_argument("--csv", type=Path, default=results_dir() / "scale-cpu.csv")
     args = parser.parse_args()
     from demo import DOCUMENTS_DIR, MODEL_DIR
 

@@ -23,7 +23,8 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
 3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention
    reads alone (through the block table, and over a contiguous slot per sequence as a view)
    and of the per-token KV concatenation a growing cache would add.
-With `--cuda-graphs N` (CUDA), parts 2 and 3 also time each step replayed from CUDA graphs.
+With `--cuda-graphs N` (CUDA), parts 2 and 3 also time each step replayed from CUDA graphs;
+with `--decode-attention PATH...`, they time each way of reading the KV blocks in turn.
 
 CPU default: llama-124m shape in bfloat16; `--device cuda`: mistral-7b shape. Writes
 bench/results/serving-<device>[-decode|-steps|-summary|-timeline].csv,
@@ -48,11 +49,10 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from harness import MODEL_HELP, SHAPES, build_store, default_dtype, synchronize, workload_model  # noqa: E402
+from paths import plots_dir, results_dir, shown  # noqa: E402
 from serving_decode import decode_throughput, step_time_vs_context  # noqa: E402
 from serving_load import serving  # noqa: E402
 from serving_report import (  # noqa: E402
-    DOCS,
-    RESULTS,
     markdown,
     plot,
     point_row,
@@ -165,6 +165,14 @@ def parse_args() -> argparse.Namespace:
         metavar="N",
         help="decode parts: also replay each step of up to N rows from CUDA graphs (the "
         "engine's cuda_graph_max_batch), beside the eager step (default 0: eager only)",
+    )
+    parser.add_argument(
+        "--decode-attention",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "per_row", "batched", "flex"],
+        help="decode parts: how the step reads its KV blocks (the engine's decode_attention), "
+        "each path measured in turn (default: auto, the device's)",
     )
     parser.add_argument("--decode-repeats", type=int)
     parser.add_argument("--step-batches", type=int, nargs="+", default=[1, 16])
@@ -287,20 +295,21 @@ def main() -> None:
     report = markdown(points, summary, decode, steps, header)
     print()
     print(report)
-    RESULTS.mkdir(exist_ok=True)
+    results = results_dir()
     extra = {"device": args.device, "shape": model, "dtype": args.dtype}
-    write_csv(RESULTS / f"serving-{tag}.csv", [point_row(p) for p in points], extra)
-    write_csv(RESULTS / f"serving-{tag}-summary.csv", summary, extra)
-    write_csv(RESULTS / f"serving-{tag}-timeline.csv", timelines, extra)
-    write_csv(RESULTS / f"serving-{tag}-decode.csv", decode, extra)
-    write_csv(RESULTS / f"serving-{tag}-steps.csv", steps, extra)
-    (RESULTS / f"serving-{tag}.md").write_text(report)
-    print(f"wrote bench/results/serving-{tag}.md")
+    write_csv(results / f"serving-{tag}.csv", [point_row(p) for p in points], extra)
+    write_csv(results / f"serving-{tag}-summary.csv", summary, extra)
+    write_csv(results / f"serving-{tag}-timeline.csv", timelines, extra)
+    write_csv(results / f"serving-{tag}-decode.csv", decode, extra)
+    write_csv(results / f"serving-{tag}-steps.csv", steps, extra)
+    md = results / f"serving-{tag}.md"
+    md.write_text(report)
+    print(f"wrote {shown(md)}")
     if points:
         plot(
             points,
             summary,
-            DOCS / f"serving-{tag}.png",
+            plots_dir() / f"serving-{tag}.png",
             f"{model} {args.dtype} on {device_name}: "
             f"{'/'.join(map(str, args.prompt_chunks or [args.chunks]))}x{args.chunk_tokens}-"
             f"token chunks + {args.question_tokens}-token question, {args.output_tokens} out",

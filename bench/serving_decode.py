@@ -1,6 +1,7 @@
 """Parts 2 and 3 of bench/serving.py: batched decode throughput against the number of sequences,
 and decode step time against context length beside its attention reads alone; with
-`--cuda-graphs`, each step also replayed from CUDA graphs, side by side with the eager step."""
+`--cuda-graphs`, each step also replayed from CUDA graphs, side by side with the eager step; each
+of `--decode-attention`'s paths in turn (the engine's ways of reading the KV blocks)."""
 
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
             f"{max(args.decode_batches)} sequences x {engine.max_model_len} positions, "
             f"pool {2 * engine.runner.keys.nbytes / 2**30:.2f} GiB"
         )
-        for variant in ("eager", "graphs") if args.cuda_graphs else ("eager",):
-            if variant == "graphs":
+        for variant, path in decode_variants(args):
+            engine.runner.use_attention(path)
+            if variant.startswith("graphs"):
                 engine.runner.use_cuda_graphs(args.cuda_graphs)
             for batch in args.decode_batches:
                 if batch > engine.scheduler.max_num_seqs:
@@ -67,6 +69,7 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
                 rows.append(
                     {
                         "step": variant,
+                        "attention_path": engine.runner.attention_path,
                         "batch": batch,
                         "context": args.decode_context,
                         "step_s": seconds,
@@ -85,6 +88,16 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
         first = next(r for r in rows if r["step"] == row["step"])
         row["vs_batch_1"] = row["tokens_per_s"] / first["tokens_per_s"]
     return rows
+
+
+def decode_variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(variant, decode attention path) pairs: every path eager, then from CUDA graphs; a
+    variant named for its path where several are measured."""
+    paths = args.decode_attention
+    named = [(path, f" {path}" if len(paths) > 1 else "") for path in paths]
+    eager = [(f"eager{suffix}", path) for path, suffix in named]
+    graphs = [(f"graphs{suffix}", path) for path, suffix in named] if args.cuda_graphs else []
+    return eager + graphs
 
 
 def attention_and_copy_seconds(
@@ -140,55 +153,67 @@ def attention_and_copy_seconds(
 
 
 def step_time_vs_context(loaded, store, args: argparse.Namespace) -> list[dict]:
-    long_context = args.long_context
-    model_len = long_context + 1
-    engine = _decode_engine(loaded, store, max(args.step_batches), model_len)
+    engine = _decode_engine(loaded, store, max(args.step_batches), args.long_context + 1)
     rows = []
     try:
-        for batch in args.step_batches:
-            for context in (args.short_context, long_context):
-                step, spread = decode_step_seconds(engine, batch, context, args.decode_repeats)
-                attn, slot, copy = attention_and_copy_seconds(
-                    engine, batch, context, args.decode_repeats
-                )
-                rows.append(
-                    {
-                        "batch": batch,
-                        "context": context,
-                        "step_s": step,
-                        "stdev_s": spread,
-                        "attention_s": attn,
-                        "slot_view_attention_s": slot,
-                        "step_minus_attention_s": step - attn,
-                        "kv_concat_s": copy,
-                        "kv_bytes_read": 2
-                        * engine.ops.shape.num_layers
-                        * batch
-                        * engine.ops.shape.num_kv_heads
-                        * (context + 1)
-                        * engine.ops.shape.head_dim
-                        * engine.runner.keys.element_size(),
-                    }
-                )
-                print(
-                    f"  step batch {batch:2d} context {context:5d}: {step * 1e3:8.2f} ms, "
-                    f"attention {attn * 1e3:8.2f} ms (slot view {slot * 1e3:8.2f} ms), "
-                    f"concat {copy * 1e3:8.2f} ms",
-                    flush=True,
-                )
-        if args.cuda_graphs:
-            engine.runner.use_cuda_graphs(args.cuda_graphs)
-            for row in rows:
-                row["graphs_step_s"], _ = decode_step_seconds(
-                    engine, row["batch"], row["context"], args.decode_repeats
-                )
-                print(
-                    f"  graphs step batch {row['batch']:2d} context {row['context']:5d}: "
-                    f"{row['graphs_step_s'] * 1e3:8.2f} ms",
-                    flush=True,
-                )
+        for path in args.decode_attention:
+            engine.runner.use_attention(path)
+            path_rows = _step_rows(engine, args)
+            if args.cuda_graphs:
+                # Graphs captured anew per path: a replay runs the path it was captured with.
+                engine.runner.use_cuda_graphs(args.cuda_graphs)
+                for row in path_rows:
+                    row["graphs_step_s"], _ = decode_step_seconds(
+                        engine, row["batch"], row["context"], args.decode_repeats
+                    )
+                    print(
+                        f"  graphs step batch {row['batch']:2d} context {row['context']:5d} "
+                        f"({path}): {row['graphs_step_s'] * 1e3:8.2f} ms",
+                        flush=True,
+                    )
+            rows += path_rows
     finally:
         engine.close()
         del engine
         gc.collect()
+    return rows
+
+
+def _step_rows(engine: Engine, args: argparse.Namespace) -> list[dict]:
+    """Step time and attention reads at the short and the long context per step batch, the
+    runner reading its blocks its current way (`attention_path`)."""
+    rows = []
+    path = engine.runner.attention_path
+    for batch in args.step_batches:
+        for context in (args.short_context, args.long_context):
+            step, spread = decode_step_seconds(engine, batch, context, args.decode_repeats)
+            attn, slot, copy = attention_and_copy_seconds(
+                engine, batch, context, args.decode_repeats
+            )
+            rows.append(
+                {
+                    "attention_path": path,
+                    "batch": batch,
+                    "context": context,
+                    "step_s": step,
+                    "stdev_s": spread,
+                    "attention_s": attn,
+                    "slot_view_attention_s": slot,
+                    "step_minus_attention_s": step - attn,
+                    "kv_concat_s": copy,
+                    "kv_bytes_read": 2
+                    * engine.ops.shape.num_layers
+                    * batch
+                    * engine.ops.shape.num_kv_heads
+                    * (context + 1)
+                    * engine.ops.shape.head_dim
+                    * engine.runner.keys.element_size(),
+                }
+            )
+            print(
+                f"  step batch {batch:2d} context {context:5d} ({path}): {step * 1e3:8.2f} ms, "
+                f"attention {attn * 1e3:8.2f} ms (slot view {slot * 1e3:8.2f} ms), "
+                f"concat {copy * 1e3:8.2f} ms",
+                flush=True,
+            )
     return rows

@@ -7,13 +7,10 @@ import csv
 import math
 from pathlib import Path
 
+from paths import plots_dir, results_dir, shown
 from serving_load import sustained_rate
 from serving_overload import OVERLOAD_NOTE, TPOT_BOUND, blank, target_row, target_table
 from serving_point import Point
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-DOCS = ROOT / "docs"
 
 
 def write_csv(path: Path, rows: list[dict], extra: dict) -> None:
@@ -24,7 +21,7 @@ def write_csv(path: Path, rows: list[dict], extra: dict) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow({**extra, **row})
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {shown(path)}")
 
 
 def point_row(p: Point) -> dict:
@@ -109,15 +106,15 @@ def markdown(
             "",
             "### Decode step time vs context",
             "",
-            "| batch | context | step (ms) | "
+            "| KV reads | batch | context | step (ms) | "
             + ("step from CUDA graphs (ms) | " if graphs else "")
             + "attention reads (ms) | slot view reads (ms) | step - attention (ms) "
             "| KV read (MiB) | a per-token KV concat would add (ms) |",
-            "|---:|---:|---:|" + ("---:|" if graphs else "") + "---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|" + ("---:|" if graphs else "") + "---:|---:|---:|---:|---:|",
         ]
         for r in steps:
             out.append(
-                f"| {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.2f} "
+                f"| {_reads(r)} | {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.2f} "
                 + (f"| {r['graphs_step_s'] * 1e3:.2f} " if graphs else "")
                 + f"| {r['attention_s'] * 1e3:.2f} "
                 f"| {r.get('slot_view_attention_s', math.nan) * 1e3:.2f} "
@@ -125,10 +122,10 @@ def markdown(
                 f"| {r['kv_bytes_read'] / 2**20:.1f} | {r['kv_concat_s'] * 1e3:.2f} |"
             )
         out.append("")
-        for batch in sorted({r["batch"] for r in steps}):
-            short, long = [r for r in steps if r["batch"] == batch]
+        for reads, batch in sorted({(_reads(r), r["batch"]) for r in steps}):
+            short, long = [r for r in steps if (_reads(r), r["batch"]) == (reads, batch)]
             out.append(
-                f"- batch {batch}: step {long['context']}/{short['context']} = "
+                f"- {reads}, batch {batch}: step {long['context']}/{short['context']} = "
                 f"{long['step_s'] / short['step_s']:.2f}x; step grew "
                 f"{(long['step_s'] - short['step_s']) * 1e3:.2f} ms, attention reads grew "
                 f"{(long['attention_s'] - short['attention_s']) * 1e3:.2f} ms, the rest "
@@ -138,6 +135,11 @@ def markdown(
                 f"{long['kv_concat_s'] * 1e3:.2f} ms."
             )
     return "\n".join(out) + "\n"
+
+
+def _reads(step_row: dict) -> str:
+    """How a step row's decode read its KV blocks (rows of older CSVs: the device's way)."""
+    return step_row.get("attention_path") or "auto"
 
 
 def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> None:
@@ -201,7 +203,7 @@ def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {shown(path)}")
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -230,10 +232,11 @@ def rebuild_from_csv(tag: str) -> None:
     """Tables and plot from bench/results/serving-<tag>*.csv; the header of the existing .md
     (everything before the first table) is kept."""
     drop = ("device", "shape", "dtype")
-    raw = _read_csv(RESULTS / f"serving-{tag}.csv")
+    results = results_dir()
+    raw = _read_csv(results / f"serving-{tag}.csv")
     extra = {k: v for k, v in raw[0].items() if k in drop} if raw else {}
     points = [Point(**_values(r, drop)) for r in raw]
-    summary = [_values(r, drop) for r in _read_csv(RESULTS / f"serving-{tag}-summary.csv")]
+    summary = [_values(r, drop) for r in _read_csv(results / f"serving-{tag}-summary.csv")]
     for s in summary:
         mine = [p for p in points if p.mode == s["mode"] and p.scheduler == s["scheduler"]]
         for p in mine:
@@ -250,14 +253,14 @@ def rebuild_from_csv(tag: str) -> None:
         )
     )
     decode, steps = (
-        [_values(r, drop) for r in _read_csv(RESULTS / f"serving-{tag}-{part}.csv")]
+        [_values(r, drop) for r in _read_csv(results / f"serving-{tag}-{part}.csv")]
         for part in ("decode", "steps")
     )
-    md = RESULTS / f"serving-{tag}.md"
+    md = results / f"serving-{tag}.md"
     header = md.read_text().split("\n### ")[0].rstrip("\n").split("\n") if md.exists() else []
     md.write_text(markdown(points, summary, decode, steps, header))
-    print(f"wrote {md.relative_to(ROOT)}")
-    write_csv(RESULTS / f"serving-{tag}-summary.csv", summary, extra)
+    print(f"wrote {shown(md)}")
+    write_csv(results / f"serving-{tag}-summary.csv", summary, extra)
     if points:
         title = " ".join(str(extra.get(k, "")) for k in ("shape", "dtype", "device"))
-        plot(points, summary, DOCS / f"serving-{tag}.png", f"{title}: serving-{tag}.csv")
+        plot(points, summary, plots_dir() / f"serving-{tag}.png", f"{title}: serving-{tag}.csv")

@@ -55,6 +55,7 @@ class Engine:
         self.runner = ModelRunner.sized(
             self.ops, opts.max_num_seqs, opts.max_model_len, opts.kv_pool_bytes
         )
+        self.runner.use_attention(opts.decode_attention)
         if opts.cuda_graph_max_batch:
             self.runner.use_cuda_graphs(opts.cuda_graph_max_batch)
         self.max_model_len = self.runner.max_model_len

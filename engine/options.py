@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.selection import Selection
 from engine.shadow import ShadowConfig
-from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, Penalties
+from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, DecodeAttention, Penalties
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,7 @@ class EngineOptions:
     prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
     decode_slack: float | None = None  # None: decode_slack_default() of the device
     cuda_graph_max_batch: int = 0  # decode steps of up to this many rows from CUDA graphs; 0: eager
+    decode_attention: DecodeAttention = "auto"  # how decode reads the KV blocks (docs/engine.md)
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers

@@ -5,12 +5,14 @@ all running sequences that reads each one's blocks through its block table (engi
 from __future__ import annotations
 
 import os
+from typing import cast, get_args
 
 import torch
 
 from engine.blocks import DEFAULT_BLOCK_SIZE
 from engine.decode_step import DecodeGraphs, DecodeStep, bucket, build_step
 from engine.dense import Dense, Pausable, run_to_end
+from engine.flex_paged import FlexMasks, FlexPaged, check_block_size
 from engine.layers import LayerOps
 from engine.paged_attention import (
     MAX_VIEW_RUNS,
@@ -22,10 +24,14 @@ from engine.paged_attention import (
     token_rows,
 )
 from engine.penalties import PenaltyState
+from engine.types import AttentionPath
 from kvstore.types import kv_token_bytes
 
 # Positions per sequence when neither the setting nor the model bounds them.
 DEFAULT_MAX_MODEL_LEN = 8192
+
+# What a decode step reads (`ModelRunner.attention`).
+StepReads = Reads | FlexMasks
 
 
 def available_ram_bytes() -> int:
@@ -120,8 +126,10 @@ class ModelRunner:
         self.cos, self.sin = ops.rope_tables(max_model_len)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
         # One SDPA per row over views of its blocks on the CPU (engine/paged_attention.py); one
-        # batched SDPA over gathered blocks elsewhere.
-        self.per_row = ops.device.type == "cpu"
+        # batched SDPA over gathered blocks elsewhere; flex_attention over the blocks in place
+        # where asked (engine/flex_paged.py).
+        self.attention_path: AttentionPath = "per_row" if ops.device.type == "cpu" else "batched"
+        self.flex = FlexPaged(block_size, self.scratch, self.group, ops.device.type == "cuda")
         self.max_view_runs = MAX_VIEW_RUNS
         # Batched steps padded to buckets (what CUDA graphs replay; `bucketed` alone: the same
         # padding, eagerly, which the CPU tests check).
@@ -146,6 +154,30 @@ class ModelRunner:
         num_blocks = fit_blocks(ops, max_num_seqs, length, block_size, kv_pool_bytes)
         return cls(ops, num_blocks, block_size, length, max_num_seqs)
 
+    @property
+    def per_row(self) -> bool:
+        """Whether rows read their blocks per row; setting it picks per row or batched."""
+        return self.attention_path == "per_row"
+
+    @per_row.setter
+    def per_row(self, value: bool) -> None:
+        self.attention_path = "per_row" if value else "batched"
+
+    def use_attention(self, path: str) -> None:
+        """Read the blocks `path`'s way (an AttentionPath), or "auto": the device's default.
+        Per row merges its runs with the CPU's flash kernel, so it takes the CPU only."""
+        device = self.ops.device
+        if path == "auto":
+            path = "per_row" if device.type == "cpu" else "batched"
+        if path not in get_args(AttentionPath):
+            choices = ", ".join(["auto", *get_args(AttentionPath)])
+            raise ValueError(f"decode attention must be one of {choices}, got {path!r}")
+        if path == "per_row" and device.type != "cpu":
+            raise ValueError(f"per-row decode attention runs on the CPU only, not {device}")
+        if path == "flex":
+            check_block_size(self.block_size, device)
+        self.attention_path = cast(AttentionPath, path)
+
     def write_prompt(
         self, table: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0
     ) -> None:
@@ -162,12 +194,15 @@ class ModelRunner:
         flat_values[:, rows] = values[:, :, start:].transpose(1, 2)
 
     def use_cuda_graphs(self, max_batch: int) -> None:
-        """Replay the batched decode step from CUDA graphs for up to `max_batch` rows."""
+        """Replay the batched (or flex) decode step from CUDA graphs for up to `max_batch`
+        rows."""
         if self.ops.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.ops.device}")
-        self.per_row, self.bucketed = False, True
+        if self.attention_path == "per_row":
+            self.attention_path = "batched"
+        self.bucketed = True
         self.graphs = DecodeGraphs(
-            lambda step: self.forward(step, (step.table, step.masks)), max_batch, self.max_width
+            lambda step: self.forward(step, self.step_reads(step)), max_batch, self.max_width
         )
 
     @torch.inference_mode()
@@ -179,8 +214,9 @@ class ModelRunner:
 
         The blocks of row b must hold the KV of positions 0..positions[b]-1; the new K/V are
         written at positions[b], in place, and each row attends over its own positions (and
-        sliding window): per row on the CPU, batched elsewhere (`attention`), its step
-        padded to a bucket and replayed from a CUDA graph where `use_cuda_graphs` said so.
+        sliding window): per row on the CPU, batched elsewhere, or by flex_attention
+        (`attention`), its step padded to a bucket and replayed from a CUDA graph where
+        `use_cuda_graphs` said so.
         """
         batch, shape = len(tables), None
         if self.bucketed:
@@ -199,20 +235,21 @@ class ModelRunner:
         token_ids: list[int],
         shape: tuple[int, int] | None = None,
     ) -> DecodeStep:
-        """The step's inputs on the device (`build_step`); no block table or masks for per-row
-        reads."""
+        """The step's inputs on the device (`build_step`); no block table for per-row reads,
+        no masks for flex's (its block masks are built from the table, `step_reads`)."""
+        windows = {"per_row": None, "batched": set(self.ops.windows), "flex": set()}
         return build_step(
             tables,
             positions,
             token_ids,
             block_size=self.block_size,
             scratch=self.scratch,
-            windows=None if self.per_row else set(self.ops.windows),
+            windows=windows[self.attention_path],
             device=self.ops.device,
             shape=shape,
         )
 
-    def forward(self, step: DecodeStep, reads: Reads) -> torch.Tensor:
+    def forward(self, step: DecodeStep, reads: StepReads) -> torch.Tensor:
         """The decode layer loop over `step`'s rows, run at once; logits [rows, vocab]."""
         return run_to_end(self.layers(step, reads))
 
@@ -224,7 +261,7 @@ class ModelRunner:
         step = self.step(tables, positions, token_ids)
         return self.layers(step, self.reads_of(step, tables, positions))
 
-    def layers(self, step: DecodeStep, reads: Reads) -> Pausable[torch.Tensor]:
+    def layers(self, step: DecodeStep, reads: StepReads) -> Pausable[torch.Tensor]:
         """The decode layer loop over `step`'s rows, its projections and MLPs handed out as
         Dense work; logits [rows, vocab] (float32)."""
         ops, shape = self.ops, self.ops.shape
@@ -244,24 +281,35 @@ class ModelRunner:
             h = yield Dense(ops, i, h, out.reshape(batch, -1))
         return ops.logits_batch(h)
 
-    def reads_of(self, step: DecodeStep, tables: list[list[int]], positions: list[int]) -> Reads:
-        """What `step`'s rows read: views of their blocks (per row) or its table and masks."""
-        return self._row_reads(tables, positions) if self.per_row else (step.table, step.masks)
+    def reads_of(
+        self, step: DecodeStep, tables: list[list[int]], positions: list[int]
+    ) -> StepReads:
+        """What `step`'s rows read: views of their blocks (per row), or `step_reads`."""
+        return self._row_reads(tables, positions) if self.per_row else self.step_reads(step)
 
-    def reads(self, tables: list[list[int]], positions: list[int]) -> Reads:
+    def step_reads(self, step: DecodeStep) -> StepReads:
+        """What a batched or flex step reads: its table and masks, or its block masks (tensor
+        work only, which a CUDA graph captures)."""
+        if self.attention_path == "flex":
+            return self.flex.masks(step.table, step.pos, set(self.ops.windows))
+        return step.table, step.masks
+
+    def reads(self, tables: list[list[int]], positions: list[int]) -> StepReads:
         """What `attention` reads for rows whose last positions are `positions`."""
         if self.per_row:
             return self._row_reads(tables, positions)
-        step = self.step(tables, positions, [0] * len(tables))
-        return step.table, step.masks
+        return self.step_reads(self.step(tables, positions, [0] * len(tables)))
 
-    def attention(self, i: int, q_rows: torch.Tensor, reads: Reads) -> torch.Tensor:
+    def attention(self, i: int, q_rows: torch.Tensor, reads: StepReads) -> torch.Tensor:
         """Layer i's attention of queries [B, H_kv, G, D] over each row's keys; [B, H_kv, G, D]:
-        per row over views of its blocks on the CPU, batched over gathered blocks elsewhere."""
+        per row over views of its blocks on the CPU, batched over gathered blocks elsewhere,
+        or by flex_attention over the blocks in place."""
         window, scale = self.ops.windows[i], self.ops.attention_scale(i)
         if isinstance(reads, list):
             keys, values = self.keys[i].flatten(0, 1), self.values[i].flatten(0, 1)
             return attend_rows(q_rows, keys, values, reads, window, scale)
+        if isinstance(reads, dict):
+            return self.flex.attend(q_rows, self.keys[i], self.values[i], reads[window], scale)
         table, masks = reads
         return attend_batched(q_rows, self.keys[i], self.values[i], table, masks[window], scale)
 

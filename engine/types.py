@@ -45,6 +45,11 @@ def _parse_enum(enum: type[_E], value: str | _E, field: str) -> _E:
 
 DEFAULT_RECOMPUTE_RATIO = 0.15
 
+# How a decode step reads each sequence's KV blocks (engine/runner.py, ModelRunner.attention);
+# the setting adds auto: the device's default, per row on the CPU and batched elsewhere.
+AttentionPath = Literal["per_row", "batched", "flex"]
+DecodeAttention = Literal["auto", "per_row", "batched", "flex"]
+
 
 @dataclass(frozen=True)
 class Penalties:

@@ -85,6 +85,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         prefill_batch_tokens=settings.prefill_batch_tokens,
         decode_slack=settings.decode_slack,
         cuda_graph_max_batch=settings.cuda_graph_max_batch,
+        decode_attention=settings.decode_attention,
         default_penalties=settings.default_penalties,
         shadow=ShadowConfig(
             fraction=settings.shadow_fraction,

@@ -17,7 +17,7 @@ from common.contract import (
     RecomputeRatio,
     Selection,
 )
-from engine.types import DEFAULT_RECOMPUTE_RATIO, Penalties
+from engine.types import DEFAULT_RECOMPUTE_RATIO, DecodeAttention, Penalties
 from kvstore.admission import PolicyName
 from kvstore.codec import Encoding
 from kvstore.remote_tier import check_url
@@ -138,6 +138,12 @@ class EngineSettings(BaseSettings):
         le=64,
         description="replay decode steps of up to this many sequences from CUDA graphs, "
         "captured per batch and context bucket at first use (a GPU only; 0: eager)",
+    )
+    decode_attention: DecodeAttention = Field(
+        "auto",
+        description="how a decode step reads each sequence's KV blocks: per_row (the CPU's), "
+        "batched (gathered; the GPU's), flex (flex_attention over the blocks in place; "
+        "compiled on a GPU, not yet measured there) or auto: the device's",
     )
     recompute_ratio: RecomputeRatio | None = Field(
         None,

@@ -1,6 +1,7 @@
 """Paged decode against the slot decode it replaces: the same logits and the same KV for a batch
 of mixed lengths, blocks shuffled through the pool, in runs, or behind a shared prompt prefix,
-by every attention path (per row, batched, batched and padded to a CUDA graph's bucket)."""
+by every attention path (per row, batched, batched and padded to a CUDA graph's bucket, flex
+attention over the blocks in place, eagerly)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from demo.tiny import FAMILIES
 from engine.runner import ModelRunner
 from engine.types import GenerateRequest, Mode
 from tests.engine.slot_reference import SlotPool
+
+# flex's eager reference on the CPU is the point here (exact, not fast); torch warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 # float32 on the CPU; the paged rows attend over more (masked) keys than the slot rows, so the
 # sums may round differently.
@@ -61,7 +65,7 @@ def paged_kv(runner: ModelRunner, table: list[int], n: int) -> tuple[torch.Tenso
     return keys, runner.values.flatten(1, 2)[:, rows].transpose(1, 2)
 
 
-@pytest.mark.parametrize("path", ["per-row", "batched", "bucketed"])
+@pytest.mark.parametrize("path", ["per-row", "batched", "bucketed", "flex"])
 @pytest.mark.parametrize("blocks", ["shuffled", "runs", "shared-prefix"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, blocks, path):
@@ -76,7 +80,8 @@ def test_paged_decode_matches_the_slot_decode(engine_for, make_chunks, family, b
     paged = ModelRunner(engine.ops, num_blocks, BLOCK_SIZE, model_len, num_lanes=1)
     # Every attention path, whatever the device picks; bucketed: the batched one with its
     # rows and blocks padded to a bucket, as a CUDA graph replays it.
-    paged.per_row, paged.bucketed = path == "per-row", path == "bucketed"
+    paged.use_attention({"per-row": "per_row", "flex": "flex"}.get(path, "batched"))
+    paged.bucketed = path == "bucketed"
     seed = FAMILIES.index(family) if blocks == "shuffled" else None
     # Every prompt starts with the same template and system prompt: its full blocks, held once.
     prefix = len(engine.layout(GenerateRequest(question="q", chunks=prompts[0])).prefix)
