@@ -9,7 +9,8 @@ from engine.blocks import BlockManager
 
 
 class SharedPrefixes:
-    """At most `capacity` prefixes (0: none shared), least recently used given back first. An
+    """At most `capacity` prefixes (0: none shared), least recently used given back first (an
+    idle one before any that running sequences share). An
     entry is a pseudo-sequence of the BlockManager holding the prefix's full blocks only: a
     partial last block would need a copy on write at the first sharer's next position."""
 
@@ -43,7 +44,9 @@ class SharedPrefixes:
         self._entries[prefix] = num_blocks
         self.num_blocks += num_blocks
         while len(self._entries) > self.capacity:
-            self._drop(next(iter(self._entries)))
+            # An idle entry first: dropping one that running sequences share frees nothing now
+            # and makes their prefix's next arrivals prefill it again.
+            self._drop(next(iter(self.idle()), next(iter(self._entries))))
 
     def allocate(self, seq_id: int, prefix: tuple[int, ...], num_tokens: int) -> int:
         """Blocks for a new sequence of `num_tokens` positions, its first ones shared with the

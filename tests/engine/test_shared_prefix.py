@@ -86,6 +86,22 @@ def test_the_registry_keeps_at_most_capacity_prefixes():
     assert none.num_blocks == 0
 
 
+def test_over_capacity_the_least_recently_used_idle_prefix_goes_before_a_shared_one():
+    blocks = BlockManager(32, BLOCK)
+    prefixes = SharedPrefixes(blocks, capacity=2)
+    third = tuple(range(300, 308))
+    registered(blocks, prefixes, 1, PREFIX, 12)  # sequence 1 still runs: PREFIX is shared
+    registered(blocks, prefixes, 2, OTHER, 12)
+    blocks.free(2)  # OTHER idle, though used after PREFIX
+    registered(blocks, prefixes, 3, third, 12)
+    assert prefixes.shared_blocks(PREFIX) == 2 and prefixes.shared_blocks(OTHER) == 0
+    assert prefixes.shared_blocks(third) == 2 and prefixes.num_blocks == 4
+    # Every entry shared: the least recently used goes, its blocks left to its sequence.
+    registered(blocks, prefixes, 4, OTHER, 12)
+    assert prefixes.shared_blocks(PREFIX) == 0 and prefixes.num_blocks == 4
+    assert [blocks.refcount(b) for b in blocks.block_table(1)[:2]] == [1, 1]
+
+
 def seq(prompt: int, prefix: tuple[int, ...] = PREFIX, max_tokens: int = 4) -> Sequence:
     return Sequence(num_prompt_tokens=prompt, max_tokens=max_tokens, shared_prefix=prefix)
 
