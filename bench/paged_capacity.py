@@ -169,8 +169,8 @@ def decode_times(args: argparse.Namespace) -> list[dict]:
             positions = [context] * batch
             paged_step = partial(paged.decode, tables[:batch], positions, tokens)
             cases = {
-                "paged": (paged_step, partial(setattr, paged, "per_row", True)),
-                "paged_batched": (paged_step, partial(setattr, paged, "per_row", False)),
+                "paged": (paged_step, partial(paged.use_attention, "per_row")),
+                "paged_batched": (paged_step, partial(paged.use_attention, "batched")),
                 "slot": (partial(slots.decode, list(range(batch)), positions, tokens), _nothing),
             }
             times = interleaved_medians(cases, args.repeats, loaded.device)
@@ -206,7 +206,7 @@ def shared_decode_times(args: argparse.Namespace) -> list[dict]:
         pool.fork("prefix", ("shared", b))
         pool.append_slots(("shared", b), model_len - args.prefix)
         shared.append(pool.block_table(("shared", b)))
-    paged.per_row = True
+    paged.use_attention("per_row")
     rng = random.Random(0)
     rows = []
     for batch in args.batches:

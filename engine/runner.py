@@ -125,11 +125,9 @@ class ModelRunner:
             ) from exc
         self.cos, self.sin = ops.rope_tables(max_model_len)  # [C, D]
         self.group = shape.num_heads // shape.num_kv_heads
-        # One SDPA per row over views of its blocks on the CPU (engine/paged_attention.py); one
-        # batched SDPA over gathered blocks elsewhere; flex_attention over the blocks in place
-        # where asked (engine/flex_paged.py).
-        self.attention_path: AttentionPath = "per_row" if ops.device.type == "cpu" else "batched"
         self.flex = FlexPaged(block_size, self.scratch, self.group, ops.device.type == "cuda")
+        self.attention_path: AttentionPath
+        self.use_attention("auto")
         self.max_view_runs = MAX_VIEW_RUNS
         # Batched steps padded to buckets (what CUDA graphs replay; `bucketed` alone: the same
         # padding, eagerly, which the CPU tests check).
@@ -156,16 +154,14 @@ class ModelRunner:
 
     @property
     def per_row(self) -> bool:
-        """Whether rows read their blocks per row; setting it picks per row or batched."""
         return self.attention_path == "per_row"
 
-    @per_row.setter
-    def per_row(self, value: bool) -> None:
-        self.attention_path = "per_row" if value else "batched"
-
     def use_attention(self, path: str) -> None:
-        """Read the blocks `path`'s way (an AttentionPath), or "auto": the device's default.
-        Per row merges its runs with the CPU's flash kernel, so it takes the CPU only."""
+        """Read the blocks `path`'s way (an AttentionPath), or "auto": the device's default,
+        one SDPA per row over views of its blocks on the CPU (engine/paged_attention.py), one
+        batched SDPA over gathered blocks elsewhere; "flex": flex_attention over the blocks in
+        place (engine/flex_paged.py). Per row merges its runs with the CPU's flash kernel, so
+        it takes the CPU only."""
         device = self.ops.device
         if path == "auto":
             path = "per_row" if device.type == "cpu" else "batched"

@@ -120,8 +120,8 @@ def test_the_runner_takes_each_path_by_name_and_refuses_others(engine_for):
     assert runner.attention_path == "flex" and not runner.per_row
     runner.use_attention("auto")
     assert runner.attention_path == "per_row"
-    runner.per_row = False  # the boolean it replaced picks per row or batched, as before
-    assert runner.attention_path == "batched"
+    runner.use_attention("batched")
+    assert runner.attention_path == "batched" and not runner.per_row
     with pytest.raises(ValueError, match="one of auto, per_row, batched, flex, got 'paged'"):
         runner.use_attention("paged")
 
