@@ -75,9 +75,13 @@ def main() -> None:
 
         return run
 
-    measured = interleaved_medians(
-        {case[:3]: (ttft(*case), lambda: None) for case in cases}, args.repeats, loaded.device
-    )
+    try:
+        measured = interleaved_medians(
+            {case[:3]: (ttft(*case), lambda: None) for case in cases}, args.repeats, loaded.device
+        )
+    finally:
+        for bench_engine in {id(case[3]): case[3] for case in cases}.values():
+            bench_engine.close()
     rows = []
     for (mode, ratio, tier), (seconds, spread, prefill) in measured.items():
         rows.append(

@@ -113,7 +113,11 @@ def main() -> None:
     cases[("cacheblend", "slow tier")] = (ttft(slow, Mode.CACHEBLEND, args.ratio), cold)
     cases[("controller", "slow tier")] = (ttft(slow, Mode.CACHEBLEND, None), cold)
     order = ["full_prefill", "cacheblend", "load only", "controller"]
-    measured = interleaved_medians(cases, args.repeats, device)
+    try:
+        measured = interleaved_medians(cases, args.repeats, device)
+    finally:
+        for engine in [memory, ssd, packed, slow, *([gpu] if gpu is not None else [])]:
+            engine.close()
 
     rows: list[dict] = []
     for name, tier in sorted(cases, key=lambda c: order.index(c[0])):

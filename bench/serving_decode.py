@@ -55,10 +55,14 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
             f"{max(args.decode_batches)} sequences x {engine.max_model_len} positions, "
             f"pool {2 * engine.runner.keys.nbytes / 2**30:.2f} GiB"
         )
-        for variant, path in decode_variants(args):
+        for replayed, path in decode_variants(args):
             engine.runner.use_attention(path)
-            if variant.startswith("graphs"):
+            if replayed:
                 engine.runner.use_cuda_graphs(args.cuda_graphs)
+            variant = "graphs" if replayed else "eager"
+            resolved = engine.runner.attention_path
+            if len(args.decode_attention) > 1:
+                variant += f" {path}" + (f" ({resolved})" if resolved != path else "")
             for batch in args.decode_batches:
                 if batch > engine.scheduler.max_num_seqs:
                     print(f"skip batch {batch}: only {engine.scheduler.max_num_seqs} sequences fit")
@@ -69,7 +73,7 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
                 rows.append(
                     {
                         "step": variant,
-                        "attention_path": engine.runner.attention_path,
+                        "attention_path": resolved,
                         "batch": batch,
                         "context": args.decode_context,
                         "step_s": seconds,
@@ -90,14 +94,11 @@ def decode_throughput(loaded, store, args: argparse.Namespace, notes: list[str])
     return rows
 
 
-def decode_variants(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(variant, decode attention path) pairs: every path eager, then from CUDA graphs; a
-    variant named for its path where several are measured."""
+def decode_variants(args: argparse.Namespace) -> list[tuple[bool, str]]:
+    """(replayed from CUDA graphs, decode attention setting) pairs: every path eager, then
+    (with `--cuda-graphs`) every path replayed."""
     paths = args.decode_attention
-    named = [(path, f" {path}" if len(paths) > 1 else "") for path in paths]
-    eager = [(f"eager{suffix}", path) for path, suffix in named]
-    graphs = [(f"graphs{suffix}", path) for path, suffix in named] if args.cuda_graphs else []
-    return eager + graphs
+    return [(False, path) for path in paths] + [(True, path) for path in paths if args.cuda_graphs]
 
 
 def attention_and_copy_seconds(

@@ -48,13 +48,15 @@ def rerun_pair(points: list[Point]) -> tuple[Point, Point] | None:
     return max(lower, key=lambda p: p.tokens_per_s), target
 
 
+def runs_tokens_per_s(points: list[Point], point: Point) -> list[float]:
+    """The tokens/s of `point` and of its reruns."""
+    key = (point.mode, point.scheduler, point.rate)
+    return [p.tokens_per_s for p in points if (p.mode, p.scheduler, p.rate) == key]
+
+
 def median_tokens_per_s(points: list[Point], point: Point) -> tuple[float, int]:
     """The median tokens/s of `point` and its reruns, and how many runs that is."""
-    runs = [
-        p.tokens_per_s
-        for p in points
-        if (p.mode, p.scheduler, p.rate) == (point.mode, point.scheduler, point.rate)
-    ]
+    runs = runs_tokens_per_s(points, point)
     return statistics.median(runs), len(runs)
 
 
@@ -72,7 +74,10 @@ def target_row(points: list[Point], summary: dict) -> dict | None:
     tpot_bound = TPOT_BOUND * unloaded_tpot
     throughput, runs = median_tokens_per_s(mine, p)
     lower = [q for q in mine if q.rate < p.rate and not q.rerun]
-    peak = max((median_tokens_per_s(mine, q)[0] for q in lower), default=math.nan)
+    peak_point = max(lower, key=lambda q: median_tokens_per_s(mine, q)[0], default=None)
+    peak = math.nan if peak_point is None else median_tokens_per_s(mine, peak_point)[0]
+    target_runs = runs_tokens_per_s(mine, p)
+    peak_runs = [] if peak_point is None else runs_tokens_per_s(mine, peak_point)
     return {
         "mode": p.mode,
         "scheduler": p.scheduler,
@@ -86,7 +91,10 @@ def target_row(points: list[Point], summary: dict) -> dict | None:
         "tokens_per_s": p.tokens_per_s,
         "throughput": throughput,
         "runs": runs,
+        "throughput_range": (min(target_runs), max(target_runs)),
         "peak_throughput": peak,
+        "peak_rate": math.nan if peak_point is None else peak_point.rate,
+        "peak_range": (min(peak_runs), max(peak_runs)) if peak_runs else (math.nan, math.nan),
         "throughput_ok": None if math.isnan(peak) else throughput >= peak,
     }
 
@@ -97,7 +105,7 @@ def target_text(row: dict) -> str:
         f"({row['completed']}/{row['admitted']}), TPOT p99 {row['tpot_p99_s']:.3f} <= "
         f"{TPOT_BOUND:g}x unloaded {row['tpot_bound_s']:.3f} {_yes(row['tpot_ok'])}, "
         f"{row['throughput']:.1f} tok/s (median of {row['runs']} runs) >= lower-rate peak "
-        f"{row['peak_throughput']:.1f} {_yes(row['throughput_ok'])}"
+        f"{_peak(row)} ({_change(row)}) {_yes(row['throughput_ok'])}"
     )
 
 
@@ -111,8 +119,9 @@ def target_table(rows: list[dict]) -> list[str]:
         "",
         "| mode | scheduler | rate (req/s) | admitted | completed | every admitted completed "
         f"| TPOT p99 (s) | {TPOT_BOUND:g}x unloaded TPOT (s) | TPOT p99 <= {TPOT_BOUND:g}x "
-        "| tokens/s, runs | lower-rate peak (tokens/s) | >= peak | target met |",
-        "|---|---|---:|---:|---:|:---:|---:|---:|:---:|---:|---:|:---:|:---:|",
+        "| tokens/s, runs (min-max) | lower-rate peak: tokens/s (min-max) at req/s "
+        "| vs peak | >= peak | target met |",
+        "|---|---|---:|---:|---:|:---:|---:|---:|:---:|---:|---:|---:|:---:|:---:|",
     ]
     for r in rows:
         checks = (r["all_completed"], r["tpot_ok"], r["throughput_ok"])
@@ -121,7 +130,8 @@ def target_table(rows: list[dict]) -> list[str]:
             f"| {r['mode']} | {r['scheduler']} | {r['rate']:.3f} | {r['admitted']} "
             f"| {r['completed']} | {_yes(r['all_completed'])} | {blank(r['tpot_p99_s'])} "
             f"| {blank(r['tpot_bound_s'])} | {_yes(r['tpot_ok'])} "
-            f"| {r['throughput']:.1f}, {r['runs']} | {blank(r['peak_throughput'], '.1f')} "
+            f"| {r['throughput']:.1f}, {r['runs']} ({_range(r['throughput_range'])}) "
+            f"| {_peak(r)} | {_change(r)} "
             f"| {_yes(r['throughput_ok'])} "
             f"| {_yes(met)} |"
         )
@@ -133,9 +143,30 @@ def target_table(rows: list[dict]) -> list[str]:
         "(mode, scheduler)'s points at lower rates. The target point and the lower-rate point "
         "of highest tokens/s in the sweep are rerun in turn after it (--throughput-rounds), so "
         "the machine's drift within the run weighs on both alike; an older run without reruns "
-        "compares single runs. TPOT: (last token - first token) / (tokens - 1) per request.",
+        "compares single runs. The ranges show the runs' spread: where the peak lies past "
+        "capacity too, at a rate close to the target's, the two points measure one saturated "
+        "throughput and their medians differ by about that spread either way. TPOT: (last "
+        "token - first token) / (tokens - 1) per request.",
     ]
     return out
+
+
+def _range(bounds: tuple[float, float]) -> str:
+    low, high = bounds
+    return "" if math.isnan(low) else f"{low:.1f}-{high:.1f}"
+
+
+def _change(row: dict) -> str:
+    """The target's median tokens/s against the lower-rate peak's, in per cent."""
+    if math.isnan(row["peak_throughput"]):
+        return ""
+    return f"{100 * (row['throughput'] / row['peak_throughput'] - 1):+.1f} %"
+
+
+def _peak(row: dict) -> str:
+    if math.isnan(row["peak_throughput"]):
+        return ""
+    return f"{row['peak_throughput']:.1f} ({_range(row['peak_range'])}) at {row['peak_rate']:.3f}"
 
 
 def blank(value: float, spec: str = ".3f") -> str:
