@@ -123,7 +123,8 @@ def parse_args() -> argparse.Namespace:
         type=float,
         nargs="+",
         help="rates as fractions of 1 / unloaded TTFT "
-        "(default 0.05 0.1 0.2 0.3 0.5; on cuda 0.3 0.55 0.8 1.05)",
+        "(default 0.05 0.1 0.2 0.3 0.5; on cuda 0.1 0.2 0.3 0.55 0.8: there full prefill on "
+        "the paged engine with its step budget sustained less than 0.3)",
     )
     parser.add_argument(
         "--overload-factors",
@@ -192,7 +193,7 @@ def parse_args() -> argparse.Namespace:
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(
-        rate_fractions=[0.3, 0.55, 0.8, 1.05] if on_cuda else [0.05, 0.1, 0.2, 0.3, 0.5],
+        rate_fractions=[0.1, 0.2, 0.3, 0.55, 0.8] if on_cuda else [0.05, 0.1, 0.2, 0.3, 0.5],
         overload_factors=[1.2, 1.5, 2.0],
         requests=100 if on_cuda else 16,
         time_limit_s=30.0 if on_cuda else 50.0,

@@ -172,14 +172,18 @@ class Scheduler(Generic[S]):
     def schedule(self) -> Step[S]:
         """The next step: every sequence whose prompt is cached decodes; the prefills in flight
         (or, with none, newly admitted ones) share the tokens the decodes leave."""
+        self._promote_prefilled()
+        if not self.prefilling:
+            self.prefilling = self._admit()
+        return Step(list(self.decoding), list(self.prefilling), self.max_num_batched_tokens)
+
+    def _promote_prefilled(self) -> None:
+        """Sequences whose prompt is cached decode from now on, their prompt prefixes shared."""
         done = [seq for seq in self.prefilling if _prompt_cached(seq)]
         for seq in done:
             self.prefilling.remove(seq)
             self._share_prefix(seq)
         self.decoding.extend(done)
-        if not self.prefilling:
-            self.prefilling = self._admit()
-        return Step(list(self.decoding), list(self.prefilling), self.max_num_batched_tokens)
 
     def _admit(self) -> list[S]:
         """Waiting sequences, in order, while their blocks and a lane are free, within
@@ -232,10 +236,14 @@ class Scheduler(Generic[S]):
             self.prefixes.register(seq.seq_id, seq.shared_prefix)
 
     def finish_done(self, seqs: list[S]) -> list[S]:
-        """Finish those of `seqs` that have a finish reason; returns them."""
+        """After a step: finish those of `seqs` that have a finish reason (returned), and move
+        the prefills it completed to the decoding sequences, so that between steps admission
+        counts (`num_admissible`, `free_seats`) and the queue estimate see their prefixes
+        shared and their prefills done."""
         done = [seq for seq in seqs if seq.finish_reason is not None]
         for seq in done:
             self.finish(seq)
+        self._promote_prefilled()
         return done
 
     def drop_cancelled(self) -> list[S]:

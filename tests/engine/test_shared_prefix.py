@@ -144,6 +144,19 @@ def test_a_sequence_fits_where_only_its_unshared_blocks_are_free():
     assert len(s.running) == 3 and s.blocks.num_free_blocks == 0
 
 
+def test_a_prefix_cached_in_the_last_step_counts_for_admission_before_the_next_schedule():
+    s: Scheduler[Sequence] = Scheduler(BlockManager(8, BLOCK), 4, 8, 1000, shared_prefixes=4)
+    a = seq(14, max_tokens=2)
+    s.add(a)
+    s.schedule()
+    a.num_cached = a.num_prompt_tokens  # the step completed its prefill
+    assert s.finish_done([a]) == []
+    assert s.decoding == [a] and s.prefixes.shared_blocks(PREFIX) == 2
+    b, c = seq(14, max_tokens=2), seq(14, max_tokens=2)
+    s.add(b), s.add(c)
+    assert s.num_admissible() == 2 and s.free_seats() == 2
+
+
 def test_idle_prefixes_are_given_back_when_the_next_sequence_does_not_fit():
     s: Scheduler[Sequence] = Scheduler(BlockManager(8, BLOCK), 4, 8, 1000, shared_prefixes=4)
     a = seq(14, max_tokens=2)
