@@ -54,12 +54,6 @@ def runs_tokens_per_s(points: list[Point], point: Point) -> list[float]:
     return [p.tokens_per_s for p in points if (p.mode, p.scheduler, p.rate) == key]
 
 
-def median_tokens_per_s(points: list[Point], point: Point) -> tuple[float, int]:
-    """The median tokens/s of `point` and its reruns, and how many runs that is."""
-    runs = runs_tokens_per_s(points, point)
-    return statistics.median(runs), len(runs)
-
-
 def target_row(points: list[Point], summary: dict) -> dict | None:
     """The target at the TARGET_FACTOR point of one (mode, scheduler), None without one. A
     criterion whose inputs are missing (an older CSV without TPOT) is None."""
@@ -72,11 +66,12 @@ def target_row(points: list[Point], summary: dict) -> dict | None:
     if math.isnan(unloaded_tpot):  # a CSV from before the point's own baseline
         unloaded_tpot = float(summary.get("unloaded_tpot_s", math.nan))
     tpot_bound = TPOT_BOUND * unloaded_tpot
-    throughput, runs = median_tokens_per_s(mine, p)
-    lower = [q for q in mine if q.rate < p.rate and not q.rerun]
-    peak_point = max(lower, key=lambda q: median_tokens_per_s(mine, q)[0], default=None)
-    peak = math.nan if peak_point is None else median_tokens_per_s(mine, peak_point)[0]
     target_runs = runs_tokens_per_s(mine, p)
+    throughput, runs = statistics.median(target_runs), len(target_runs)
+    lower = [q for q in mine if q.rate < p.rate and not q.rerun]
+    by_median = {statistics.median(runs_tokens_per_s(mine, q)): q for q in lower}
+    peak = max(by_median, default=math.nan)
+    peak_point = by_median.get(peak)
     peak_runs = [] if peak_point is None else runs_tokens_per_s(mine, peak_point)
     return {
         "mode": p.mode,
