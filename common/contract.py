@@ -32,6 +32,9 @@ MAX_TOKENS_LIMIT = 4096
 MAX_CHUNK_ID_CHARS = 256
 MAX_GENERATE_CHUNKS = 1_000
 MAX_PRECOMPUTE_CHUNKS = 10_000
+# A streamed /v1/generate's response header: the engine's estimate of the seconds the request
+# waits before its prefill starts, taken as it was queued (the gateway's first-event deadline).
+QUEUE_ESTIMATE_HEADER = "X-Queue-Estimate"
 
 
 # The recompute_ratio that lets the check layer choose r by quality (docs/quality.md).

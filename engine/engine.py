@@ -169,7 +169,7 @@ class Engine:
         when queue and KV pool are full, PromptTooLongError when the prompt plus max_tokens
         exceed max_model_len."""
         generation = Generation()
-        seq = self._submit(request, layout, generation.deliver)
+        seq, generation.queue_estimate_s = self._submit(request, layout, generation.deliver)
         generation.bind(lambda: self._cancel(seq))
         return generation
 
@@ -186,16 +186,19 @@ class Engine:
 
     def _submit(
         self, request: GenerateRequest, layout: PromptLayout | None, emit: Callable[[Event], None]
-    ) -> Job:
+    ) -> tuple[Job, float]:
+        """The queued job and the wait the queue estimate announces for it, taken as it is
+        queued: exact about what is ahead, where /health's is already old for a burst."""
         if layout is None:
             layout = self.layout(request)
         else:
             fitting(layout, request.max_tokens, self.max_model_len)
         seq = new_job(request, layout, self.tokenizer, self.default_penalties, emit)
         with self._lock:
+            wait_s = self.estimate.wait_for(self.scheduler)
             self.scheduler.add(seq)
         self.worker.wake()
-        return seq
+        return seq, wait_s
 
     def _cancel(self, seq: Job) -> None:
         seq.cancelled = True

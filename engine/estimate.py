@@ -3,6 +3,7 @@ and the measured speed of recent steps. Plain Python on counts, testable without
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import TYPE_CHECKING
 
@@ -25,9 +26,10 @@ class QueueEstimate:
     one decode per prompt ahead, and one after the newest). Where the decodes ride in the
     prefills' forward (the engine's last step that ran both said so) their time is in the
     measured prefill throughput already, and no decode step is added. When the KV pool admits
-    no more the request also waits until enough running sequences end, at worst after their
-    remaining max_tokens (EOS or a stop string ends them sooner: an upper bound). Before a step
-    of a kind was measured it counts as free.
+    no more the request also waits for a seat (`seat_wait_steps`): each sequence holds its seat
+    until its max_tokens are decoded (EOS or a stop string ends it sooner: an upper bound), and
+    the sequences waiting ahead take the seats that free first. Before a step of a kind was
+    measured it counts as free.
     """
 
     def __init__(self) -> None:
@@ -42,11 +44,12 @@ class QueueEstimate:
         """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
         ahead = [*scheduler.prefilling, *scheduler.waiting]
         budget = scheduler.max_num_batched_tokens
+        seated = [*scheduler.prefilling, *scheduler.decoding]
         return self.wait_s(
             waiting_tokens=sum(seq.num_prompt_tokens for seq in ahead),
-            waiting_seqs=len(scheduler.waiting),
+            waiting_max_tokens=[seq.max_tokens for seq in scheduler.waiting],
             in_flight=len(scheduler.prefilling),
-            running_remaining=[s.max_tokens - s.num_output_tokens for s in scheduler.decoding],
+            running_remaining=[s.max_tokens - s.num_output_tokens for s in seated],
             free_seats=scheduler.free_seats(),
             step_tokens=math.inf if budget is None else budget,
         )
@@ -69,15 +72,18 @@ class QueueEstimate:
         self,
         *,
         waiting_tokens: int,
-        waiting_seqs: int,
+        waiting_max_tokens: list[int],
         running_remaining: list[int],
         free_seats: int,
         step_tokens: float = math.inf,
         in_flight: int = 0,
     ) -> float:
-        """`waiting_tokens`: the prompt tokens of the `waiting_seqs` and of the `in_flight`
-        prefills (which hold blocks); `running_remaining`: tokens each decoding sequence may
-        still decode; `free_seats`: sequences the pool would start now (Scheduler.free_seats)."""
+        """`waiting_tokens`: the prompt tokens of the waiting sequences and of the `in_flight`
+        prefills (which hold blocks); `waiting_max_tokens`: each waiting sequence's, in queue
+        order; `running_remaining`: tokens each sequence holding a seat (decoding, or in
+        flight) may still decode; `free_seats`: sequences the pool would start now
+        (Scheduler.free_seats)."""
+        waiting_seqs = len(waiting_max_tokens)
         prompts_ahead = waiting_seqs + in_flight
         if not prompts_ahead and not running_remaining:
             return 0.0
@@ -88,14 +94,25 @@ class QueueEstimate:
         elif running_remaining:
             pieces = prompts_ahead if math.isinf(step_tokens) else waiting_tokens / step_tokens
             interleaved_steps = math.ceil(pieces) + 1
-        # Seats the request needs freed: one for each waiting sequence ahead, one for itself.
-        seats_short = waiting_seqs + 1 - free_seats
-        seat_wait_steps = 0
-        if seats_short > 0 and running_remaining:
-            ends = sorted(running_remaining)
-            seat_wait_steps = ends[min(seats_short, len(ends)) - 1]
-        decode_steps = max(interleaved_steps, seat_wait_steps)
+        seat_steps = seat_wait_steps(running_remaining, waiting_max_tokens, free_seats)
+        decode_steps = max(interleaved_steps, seat_steps)
         return prefill_s + decode_steps * (self.decode_step_s or 0.0)
+
+
+def seat_wait_steps(
+    running_remaining: list[int], waiting_max_tokens: list[int], free_seats: int
+) -> int:
+    """Decode steps until a seat is free for a request behind the waiting sequences: the free
+    seats are free now, a running sequence's when its remaining tokens are decoded; each waiting
+    sequence, in order, takes the seat that frees first and holds it for its max_tokens. 0 when
+    no seat is known (nothing runs and none is free: the pool's limits, not a wait)."""
+    seats = [0] * max(free_seats, 0) + list(running_remaining)
+    if not seats:
+        return 0
+    heapq.heapify(seats)
+    for max_tokens in waiting_max_tokens:
+        heapq.heapreplace(seats, seats[0] + max_tokens)
+    return seats[0]
 
 
 def smoothed(old: float | None, new: float) -> float:

@@ -21,6 +21,8 @@ class Generation:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._on_cancel: Callable[[], None] = lambda: None
         self._cancelled = False
+        # The queue estimate's wait before its prefill, taken as it was queued (Engine.start).
+        self.queue_estimate_s = 0.0
 
     def bind(self, on_cancel: Callable[[], None]) -> None:
         self._on_cancel = on_cancel

@@ -3,8 +3,12 @@ engine's miss means for the request and for that engine, and the status once eve
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+
+from common.contract import QUEUE_ESTIMATE_HEADER
 
 
 class Miss(Enum):
@@ -100,3 +104,13 @@ def first_event_deadline_s(
         tokens = prompt_bytes if max_model_len is None else min(prompt_bytes, max_model_len)
         own_prefill_s = tokens / prefill_tokens_per_s
     return ttft_timeout_s + queue_estimate_s + own_prefill_s
+
+
+def announced_queue_estimate_s(headers: Mapping[str, str]) -> float | None:
+    """The queue wait an engine announced as it queued the request (its response header), None
+    where it announced none or nothing usable (an older engine: the polled estimate stands)."""
+    try:
+        value = float(headers.get(QUEUE_ESTIMATE_HEADER, "nan"))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None

@@ -28,6 +28,7 @@ from gateway.errors import (
 from gateway.failover import (
     Miss,
     after_miss,
+    announced_queue_estimate_s,
     final_status,
     first_event_deadline_s,
     miss_of_status,
@@ -235,17 +236,22 @@ class EnginePool:
             headers={REQUEST_ID_HEADER: request_id},
             timeout=self.generate_timeout,
         )
-        deadline_s = first_event_deadline_s(
-            self.ttft_timeout_s,
-            engine.queue_estimate_s,
-            _prompt_bytes(body),
-            engine.max_model_len,
-            engine.prefill_tokens_per_s,
-        )
+
+        def deadline_s(queue_estimate_s: float) -> float:
+            return first_event_deadline_s(
+                self.ttft_timeout_s,
+                queue_estimate_s,
+                _prompt_bytes(body),
+                engine.max_model_len,
+                engine.prefill_tokens_per_s,
+            )
+
+        limit_s = deadline_s(engine.queue_estimate_s)
+        started = time.monotonic()
         response: httpx.Response | None = None
         opened = False
         try:
-            async with asyncio.timeout(deadline_s):
+            async with asyncio.timeout(limit_s):
                 response = await self.upstream.client.send(request, stream=True)
                 miss = miss_of_status(response.status_code)
                 if miss is Miss.NOT_READY:
@@ -266,12 +272,18 @@ class EnginePool:
                     raise _Skipped(miss, detail_of(response), retry_after_s=retry_after_s)
                 if not response.is_success:
                     self.upstream.check(response)
-                stream = EngineStream(engine, response, self.upstream)
-                await stream.first_event()
+            window_s = limit_s - (time.monotonic() - started)
+            if (estimate := announced_queue_estimate_s(response.headers)) is not None:
+                # The wait the engine announced as it queued the request, where the polled
+                # estimate is up to a health interval old: in a burst, far too short.
+                window_s = deadline_s(estimate)
+            stream = EngineStream(engine, response, self.upstream)
+            await self._first_event(stream, window_s)
             opened = True
             return stream
         except TimeoutError:
-            raise _Skipped(Miss.SLOW, f"no first event within {deadline_s:.1f} s") from None
+            waited_s = time.monotonic() - started
+            raise _Skipped(Miss.SLOW, f"no first event within {waited_s:.1f} s") from None
         except NOT_SENT as exc:
             raise _Skipped(Miss.UNREACHABLE, type(exc).__name__) from exc
         except httpx.TransportError as exc:
@@ -281,6 +293,22 @@ class EnginePool:
         finally:
             if not opened and response is not None:
                 await response.aclose()
+
+    async def _first_event(self, stream: EngineStream, window_s: float) -> None:
+        """The stream's first event within `window_s`, then within another `ttft_timeout_s`
+        for as long as each window saw the engine deliver events of other streams: it took
+        the request and works through its queue, so the request keeps its place there (an
+        estimate that fell short is no hung engine). TimeoutError after a silent window."""
+        first = asyncio.ensure_future(stream.first_event())
+        try:
+            since = time.monotonic()
+            while not (await asyncio.wait({first}, timeout=max(window_s, 0.0)))[0]:
+                if stream.engine.last_event_at <= since:
+                    raise TimeoutError
+                since, window_s = time.monotonic(), self.ttft_timeout_s
+            first.result()
+        finally:
+            first.cancel()
 
     async def precompute(
         self, engine: EngineState, body: PrecomputeRequest, *, request_id: str

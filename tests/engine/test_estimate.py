@@ -25,14 +25,16 @@ def measured(prefill_tokens_per_s: float = 1000.0, decode_step_s: float = 0.01) 
 
 def test_an_idle_engine_has_no_wait():
     assert (
-        measured().wait_s(waiting_tokens=0, waiting_seqs=0, running_remaining=[], free_seats=4)
+        measured().wait_s(
+            waiting_tokens=0, waiting_max_tokens=[], running_remaining=[], free_seats=4
+        )
         == 0.0
     )
 
 
 def test_prompts_waiting_ahead_cost_their_prefill_and_the_decode_steps_between():
     wait = measured().wait_s(
-        waiting_tokens=2000, waiting_seqs=2, running_remaining=[50], free_seats=3
+        waiting_tokens=2000, waiting_max_tokens=[64, 64], running_remaining=[50], free_seats=3
     )
     # 2 s of prefill, then a decode step after each of the 2 prefills and after the newest.
     assert wait == pytest.approx(2.0 + 3 * 0.01)
@@ -41,7 +43,7 @@ def test_prompts_waiting_ahead_cost_their_prefill_and_the_decode_steps_between()
 def test_under_a_step_token_budget_the_prompts_ahead_share_one_step_per_piece_with_decodes():
     wait = measured().wait_s(
         waiting_tokens=2000,
-        waiting_seqs=1,
+        waiting_max_tokens=[64],
         in_flight=1,
         running_remaining=[50],
         free_seats=3,
@@ -62,15 +64,41 @@ def test_a_prefill_in_pieces_counts_towards_throughput_once_it_completes():
 
 def test_with_every_seat_taken_the_request_waits_for_a_running_sequence_to_end():
     wait = measured().wait_s(
-        waiting_tokens=0, waiting_seqs=0, running_remaining=[300, 120], free_seats=0
+        waiting_tokens=0, waiting_max_tokens=[], running_remaining=[300, 120], free_seats=0
     )
     assert wait == pytest.approx(120 * 0.01)
+
+
+def test_sequences_waiting_ahead_hold_the_seats_they_take_for_their_max_tokens():
+    wait = measured().wait_s(
+        waiting_tokens=0,
+        waiting_max_tokens=[100, 40],
+        running_remaining=[300, 120],
+        free_seats=0,
+    )
+    # The first waiting sequence takes the seat freed at 120 and holds it to 220; the second
+    # takes the one freed at 220 (before 300) and holds it to 260: the next seat frees at 260.
+    assert wait == pytest.approx(260 * 0.01)
+
+
+def test_a_free_seat_goes_to_the_first_waiting_sequence_and_frees_after_its_max_tokens():
+    estimate = measured()
+    wait = estimate.wait_s(
+        waiting_tokens=0, waiting_max_tokens=[50], running_remaining=[80], free_seats=1
+    )
+    assert wait == pytest.approx(50 * 0.01)
+    idle = estimate.wait_s(
+        waiting_tokens=0, waiting_max_tokens=[], running_remaining=[], free_seats=0
+    )
+    assert idle == 0.0
 
 
 def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
     estimate = QueueEstimate()
     assert (
-        estimate.wait_s(waiting_tokens=500, waiting_seqs=1, running_remaining=[10], free_seats=1)
+        estimate.wait_s(
+            waiting_tokens=500, waiting_max_tokens=[64], running_remaining=[10], free_seats=1
+        )
         == 0.0
     )
     estimate.observe(decode_step(0.01, batch=1))
@@ -85,7 +113,7 @@ def test_where_decodes_ride_in_the_prefills_forward_no_decode_step_is_added():
     assert estimate.decodes_ride
     wait = estimate.wait_s(
         waiting_tokens=2000,
-        waiting_seqs=1,
+        waiting_max_tokens=[64],
         in_flight=1,
         running_remaining=[50],
         free_seats=3,

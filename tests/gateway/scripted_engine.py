@@ -1,5 +1,6 @@
 """A stand-in engine process for the gateway's failover tests: the engine's /health and
-streamed /v1/generate, with the statuses and delays a real engine cannot be made to give, and
+streamed /v1/generate, with the statuses, delays and queue estimates a real engine cannot be
+made to give, and
 (with --record) a JSON line per generate body received, to show what the gateway sent."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 
 from common.contract import (
     AUTO_RATIO,
+    QUEUE_ESTIMATE_HEADER,
     Blend,
     GenerateBody,
     GenerateResponse,
@@ -29,6 +31,9 @@ from tests.service_process import REPO_ROOT, free_port, service_env, wait_ready
 
 # "slow 2.5" in a question: its first event comes 2.5 s after the request (with --slow-questions).
 SLOW = re.compile(r"slow (\d+(?:\.\d+)?)")
+# "queued 2.5": the response headers at once, announcing a queue wait of 0, and the first event
+# 2.5 s later (with --slow-questions): an engine whose estimate fell short.
+QUEUED = re.compile(r"queued (\d+(?:\.\d+)?)")
 DELTA_INTERVAL_S = 0.1
 MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 1 << 20
@@ -78,15 +83,20 @@ def handler_class(args: argparse.Namespace) -> type[BaseHTTPRequestHandler]:
             slow = SLOW.search(body.question)
             if slow and args.slow_questions:
                 time.sleep(float(slow.group(1)))
-            self._stream(body)
+            queued = QUEUED.search(body.question) if args.slow_questions else None
+            self._stream(body, float(queued.group(1)) if queued else None)
 
-        def _stream(self, body: GenerateBody) -> None:
+        def _stream(self, body: GenerateBody, queued_s: float | None) -> None:
             max_tokens = body.max_tokens
             try:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Connection", "close")
+                if queued_s is not None:
+                    self.send_header(QUEUE_ESTIMATE_HEADER, "0")
                 self.end_headers()
+                if queued_s is not None:
+                    time.sleep(queued_s)
                 for _ in range(max_tokens):
                     self._event("delta", {"text": " word"})
                     time.sleep(DELTA_INTERVAL_S)
@@ -171,7 +181,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--generate-status", type=int, default=200, help="200, 429, 500…")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=None)
-    parser.add_argument("--slow-questions", action="store_true", help="honour 'slow N' markers")
+    parser.add_argument(
+        "--slow-questions", action="store_true", help="honour 'slow N' and 'queued N' markers"
+    )
     parser.add_argument("--record", default=None, help="append each generate body to this file")
     args = parser.parse_args()
     ThreadingHTTPServer(("127.0.0.1", args.port), handler_class(args)).serve_forever()

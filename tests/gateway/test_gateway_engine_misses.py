@@ -1,6 +1,7 @@
 """Engines that miss a request before its first event, as stand-in processes behind a real
 gateway and retriever: a 429 spills to the next engine, a 5xx is a 502, a long prefill gets
-its own time, and an engine streaming other requests is not taken for a hung one."""
+its own time, an engine streaming other requests is not taken for a hung one, and a request
+an engine took keeps its place past a short queue estimate while the engine streams others."""
 
 from __future__ import annotations
 
@@ -153,3 +154,41 @@ def test_an_engine_streaming_other_requests_is_not_marked_down_for_a_slow_first_
         # Still in the rotation (the health poll is a minute away): the next one goes there.
         assert ask(http, "What is there?", DOC_IDS).json()["engine"] == "engine-0"
     assert f"engine-0 ({busy.url}) is down" not in gateway.log()
+
+
+def test_a_taken_request_keeps_its_place_past_a_short_estimate_while_its_engine_streams_others(
+    slow_pair,
+):
+    gateway, _ = slow_pair
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        probe = ask(http, "What is there?", DOC_IDS).json()
+        # Past the deadline of the announced wait (0) and the request's own prefill.
+        late_s = TTFT_TIMEOUT_S + own_prefill_s(probe, "queued 99.99 What is there?") + 1.5
+        failovers = gateway.log().count("failing over")
+        long_stream = {"question": "Tell me", "doc_ids": DOC_IDS, "top_k": TOP_K}
+        with http.stream(
+            "POST", "/v1/query", json={**long_stream, "max_tokens": 200, "stream": True}
+        ) as streaming:
+            lines = streaming.iter_lines()
+            assert next(line for line in lines if line == "event: delta")
+            answer = ask(http, f"queued {late_s:.2f} What is there?", DOC_IDS)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["engine"] == "engine-0"  # it waited on the engine that took it
+    assert gateway.log().count("failing over") == failovers
+
+
+def test_a_taken_request_whose_engine_falls_silent_fails_over_after_the_announced_wait(
+    slow_pair,
+):
+    gateway, (busy, _) = slow_pair
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        probe = ask(http, "What is there?", DOC_IDS).json()
+        deadline_s = TTFT_TIMEOUT_S + own_prefill_s(probe, "queued 99.99 What is there?")
+        answer = ask(http, f"queued {deadline_s + 30:.2f} What is there?", DOC_IDS)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["engine"] == "engine-1"
+        assert answer.elapsed.total_seconds() < deadline_s + 10
+        assert f"engine-0 ({busy.url}) is down" in gateway.log()
+        # Back in the rotation once a health probe (here /ready's) sees it answer.
+        assert http.get("/ready").status_code == 200
+        assert ask(http, "What is there?", DOC_IDS).json()["engine"] == "engine-0"

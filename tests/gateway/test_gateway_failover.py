@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from common.contract import QUEUE_ESTIMATE_HEADER
 from gateway.failover import (
     Miss,
     after_miss,
+    announced_queue_estimate_s,
     final_status,
     first_event_deadline_s,
     miss_of_status,
@@ -74,6 +76,23 @@ def test_the_own_prefill_is_bounded_by_the_engines_context():
 
 def test_an_unmeasured_prefill_speed_adds_nothing():
     assert first_event_deadline_s(10.0, 1.5, 4_000, None, None) == 11.5
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("2.5", 2.5),
+        ("0", 0.0),
+        (None, None),
+        ("-1", None),
+        ("nan", None),
+        ("inf", None),
+        ("soon", None),
+    ],
+)
+def test_only_a_finite_non_negative_announced_queue_wait_replaces_the_polled_one(value, seconds):
+    headers = {} if value is None else {QUEUE_ESTIMATE_HEADER: value}
+    assert announced_queue_estimate_s(headers) == seconds
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
-from common.contract import GenerateBody, GenerateResponse
+from common.contract import QUEUE_ESTIMATE_HEADER, GenerateBody, GenerateResponse
 from common.errors import error_body
 from common.request_id import request_id_var
 from common.sse import sse
@@ -28,7 +28,17 @@ RETRY_AFTER_S = "1"
     "/v1/generate",
     response_model=GenerateResponse,
     responses={
-        200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE with stream"},
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": "JSON, or SSE with stream",
+            "headers": {
+                QUEUE_ESTIMATE_HEADER: {
+                    "description": "with stream: the seconds the request is expected to wait "
+                    "before its prefill starts, estimated as it was queued",
+                    "schema": {"type": "number"},
+                }
+            },
+        },
         **error_responses(400, 401, 403, 413, 415, 422, 429, 499, 500, 503),
     },
 )
@@ -60,7 +70,11 @@ async def generate(
         return StreamingResponse(
             _stream(generation, request.mode, metrics),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+                QUEUE_ESTIMATE_HEADER: f"{generation.queue_estimate_s:.3f}",
+            },
         )
     try:
         result = await _until_done_or_disconnect(generation, http)
