@@ -14,7 +14,7 @@ from engine.blocks import BlockManager
 from engine.chunks import ChunkPrecompute
 from engine.decode import eos_token_ids
 from engine.errors import GenerationCancelled
-from engine.estimate import QueueEstimate
+from engine.estimate import QueueEstimate, seated_remaining
 from engine.executor import Executor
 from engine.job import Event, Job, new_job
 from engine.layers import LayerOps
@@ -132,6 +132,11 @@ class Engine:
         the engine lock, which the worker holds only between steps, never while the model runs."""
         with self._lock:
             return self.estimate.wait_for(self.scheduler)
+
+    def room_after_s(self) -> float:
+        """When a full queue may take another request (QueueEstimate.room_after_s)."""
+        with self._lock:
+            return self.estimate.room_after_s(seated_remaining(self.scheduler))
 
     def kv_pool_use(self) -> PoolUse:
         """The KV pool's blocks by holder (Scheduler.pool_use), counted under the engine lock:

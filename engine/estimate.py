@@ -44,15 +44,20 @@ class QueueEstimate:
         """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
         ahead = [*scheduler.prefilling, *scheduler.waiting]
         budget = scheduler.max_num_batched_tokens
-        seated = [*scheduler.prefilling, *scheduler.decoding]
         return self.wait_s(
             waiting_tokens=sum(seq.num_prompt_tokens for seq in ahead),
             waiting_max_tokens=[seq.max_tokens for seq in scheduler.waiting],
             in_flight=len(scheduler.prefilling),
-            running_remaining=[s.max_tokens - s.num_output_tokens for s in seated],
+            running_remaining=seated_remaining(scheduler),
             free_seats=scheduler.free_seats(),
             step_tokens=math.inf if budget is None else budget,
         )
+
+    def room_after_s(self, running_remaining: list[int]) -> float:
+        """Seconds until the first sequence holding a seat ends at the latest (after its
+        remaining max_tokens), which lets a full queue take another request: a 429's
+        Retry-After. 0 while nothing holds a seat or no decode step was measured."""
+        return min(running_remaining, default=0) * (self.decode_step_s or 0.0)
 
     def observe(self, step: StepRecord) -> None:
         if step.num_decodes and step.num_prefills:
@@ -97,6 +102,12 @@ class QueueEstimate:
         seat_steps = seat_wait_steps(running_remaining, waiting_max_tokens, free_seats)
         decode_steps = max(interleaved_steps, seat_steps)
         return prefill_s + decode_steps * (self.decode_step_s or 0.0)
+
+
+def seated_remaining(scheduler: Scheduler) -> list[int]:
+    """The tokens each sequence holding a seat (prefilling or decoding) may still decode."""
+    seated = [*scheduler.prefilling, *scheduler.decoding]
+    return [seq.max_tokens - seq.num_output_tokens for seq in seated]
 
 
 def seat_wait_steps(

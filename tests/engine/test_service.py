@@ -219,7 +219,7 @@ def test_malformed_json_gets_422(service):
     assert reply.status_code == 422
 
 
-def test_a_full_queue_gets_429_with_retry_after(service):
+def test_a_full_queue_gets_429_with_a_retry_after_of_when_the_running_generation_ends(service):
     long = body(max_tokens=LONG_TOKENS, ignore_eos=True, stream=True)
     with service.client() as first, service.client() as second, service.client() as third:
         running = first.stream("POST", "/v1/generate", json=long)
@@ -234,7 +234,9 @@ def test_a_full_queue_gets_429_with_retry_after(service):
                 time.sleep(0.05)
             refused = third.post("/v1/generate", json=body())
             assert refused.status_code == 429
-            assert refused.headers["retry-after"] == "1"
+            # The running generation has ~LONG_TOKENS to go: seconds at any step time above
+            # 0.25 ms; bounded by a minute.
+            assert 2 <= int(refused.headers["retry-after"]) <= 60
             assert "busy" in refused.json()["detail"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, HTTPException, Request
@@ -21,7 +22,8 @@ from engine.types import GenerateResult, Mode
 
 router = APIRouter()
 log = logging.getLogger(__name__)
-RETRY_AFTER_S = "1"
+# Bounds of a 429's Retry-After (whole seconds), whatever the queue estimate says.
+RETRY_AFTER_S = (1, 60)
 
 
 @router.post(
@@ -60,8 +62,9 @@ async def generate(
         generation = engine.start(request, layout)
     except QueueFullError as exc:
         metrics.errors.labels("queue_full").inc()
+        retry_after = min(max(math.ceil(engine.room_after_s()), RETRY_AFTER_S[0]), RETRY_AFTER_S[1])
         raise HTTPException(
-            429, detail=f"engine busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
+            429, detail=f"engine busy: {exc}", headers={"Retry-After": str(retry_after)}
         ) from exc
     except InvalidRequestError as exc:
         raise HTTPException(422, detail=str(exc)) from exc
