@@ -1,6 +1,8 @@
 """Load generator for a running ragblend stack: N concurrent clients stream POST /v1/query
-with a bounded number of requests and a time limit; prints throughput (requests and tokens
-per second), TTFT p50/p99 per mode and errors by HTTP status as a Markdown table, and with
+(closed loop), or with `--rate` requests arrive as a Poisson process whatever is in flight
+(open loop: past capacity the queue grows), with a bounded number of requests and a time
+limit; prints throughput (requests and tokens per second), TTFT p50/p99 per mode, errors by
+HTTP status and the requests still unanswered at the limit as a Markdown table, and with
 `--csv` appends one row per mode (and one for all) to a CSV. A benchmark, never run as a
 test."""
 
@@ -11,6 +13,7 @@ import asyncio
 import csv
 import itertools
 import json
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -37,6 +40,7 @@ class ModeStats:
     completion_tokens: int = 0
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    unfinished: int = 0  # still unanswered at the time limit, cancelled there
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -74,6 +78,9 @@ async def one_query(http: httpx.AsyncClient, body: dict, stats: ModeStats) -> No
         stats.errors += 1
         stats.error_kinds[type(exc).__name__] += 1
         return
+    except asyncio.CancelledError:
+        stats.unfinished += 1
+        raise
     stats.latency_s.append(time.perf_counter() - start)
     if ttft_s is not None:
         stats.ttft_s.append(ttft_s)
@@ -96,26 +103,49 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, ModeStats], float]:
             if item is None:
                 return
             mode, question = item
-            body = {
-                "question": question,
-                "mode": mode,
-                "top_k": args.top_k,
-                "max_tokens": args.max_tokens,
-                "stream": True,
-            }
-            await one_query(http, body, stats[mode])
+            await one_query(http, request_body(args, mode, question), stats[mode])
+
+    async def arrivals(http: httpx.AsyncClient) -> None:
+        """Open loop: each request at its Poisson arrival time, whatever is in flight."""
+        rng, at, queries = random.Random(args.seed), 0.0, []
+        try:
+            for mode, question in plan:
+                at += rng.expovariate(args.rate)
+                await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
+                body = request_body(args, mode, question)
+                queries.append(asyncio.create_task(one_query(http, body, stats[mode])))
+            await asyncio.gather(*queries)
+        finally:  # at the time limit: the queries in flight are cancelled, counted unfinished
+            for query in queries:
+                query.cancel()
+            await asyncio.gather(*queries, return_exceptions=True)
 
     timeout = httpx.Timeout(args.time_limit_s, connect=5.0)
-    limits = httpx.Limits(max_connections=args.concurrency)
+    connections = args.requests if args.rate else args.concurrency
+    limits = httpx.Limits(max_connections=connections)
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits) as http:
-        tasks = [asyncio.create_task(client(http)) for _ in range(args.concurrency)]
-        # The limit is hard: requests still running at the deadline are cancelled, uncounted.
+        if args.rate:
+            tasks = [asyncio.create_task(arrivals(http))]
+        else:
+            tasks = [asyncio.create_task(client(http)) for _ in range(args.concurrency)]
+        # The limit is hard: requests still running at the deadline are cancelled and counted
+        # as unfinished.
         _, pending = await asyncio.wait(tasks, timeout=args.time_limit_s)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     return stats, time.perf_counter() - started
+
+
+def request_body(args: argparse.Namespace, mode: str, question: str) -> dict:
+    return {
+        "question": question,
+        "mode": mode,
+        "top_k": args.top_k,
+        "max_tokens": args.max_tokens,
+        "stream": True,
+    }
 
 
 def combined(stats: dict[str, ModeStats]) -> ModeStats:
@@ -125,6 +155,7 @@ def combined(stats: dict[str, ModeStats]) -> ModeStats:
         total.latency_s += s.latency_s
         total.completion_tokens += s.completion_tokens
         total.errors += s.errors
+        total.unfinished += s.unfinished
         for kind, count in s.error_kinds.items():
             total.error_kinds[kind] += count
     return total
@@ -143,6 +174,7 @@ def rows(stats: dict[str, ModeStats], elapsed_s: float) -> list[dict]:
                 "ok": ok,
                 "errors": s.errors,
                 **{f"errors {kind}": s.error_kinds.get(kind, 0) for kind in kinds},
+                "unfinished": s.unfinished,
                 "req_per_s": ok / elapsed_s,
                 "tokens_per_s": s.completion_tokens / elapsed_s,
                 "ttft_p50_s": percentile(s.ttft_s, 50),
@@ -157,28 +189,35 @@ def table(stats: dict[str, ModeStats], elapsed_s: float, args: argparse.Namespac
     data = rows(stats, elapsed_s)
     kinds = [k for k in data[0] if k.startswith("errors ")]
     lines = [
-        f"{args.label + ': ' if args.label else ''}{args.concurrency} clients, {args.requests} "
+        f"{args.label + ': ' if args.label else ''}{load_text(args)}, {args.requests} "
         f"requests max, {args.time_limit_s:.0f} s limit, top_k {args.top_k}, max_tokens "
         f"{args.max_tokens}; ran {elapsed_s:.1f} s",
         "",
         "| mode | ok | errors | "
         + "".join(f"{k[7:]} | " for k in kinds)
-        + "req/s | tokens/s | TTFT p50 (s) | TTFT p99 (s) | latency p50 (s) |",
-        "|---|---:|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|",
+        + "unfinished | req/s | tokens/s | TTFT p50 (s) | TTFT p99 (s) | latency p50 (s) |",
+        "|---|---:|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in data:
         lines.append(
             f"| {r['mode']} | {r['ok']} | {r['errors']} | "
             + "".join(f"{r[k]} | " for k in kinds)
-            + f"{r['req_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s']:.3f} | "
-            f"{r['ttft_p99_s']:.3f} | {r['latency_p50_s']:.3f} |"
+            + f"{r['unfinished']} | {r['req_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"{r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['latency_p50_s']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def load_text(args: argparse.Namespace) -> str:
+    if args.rate:
+        return f"Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
+    return f"{args.concurrency} clients"
 
 
 CSV_FIELDS = [
     "label",
     "concurrency",
+    "rate",
     "requests",
     "time_limit_s",
     "elapsed_s",
@@ -186,6 +225,7 @@ CSV_FIELDS = [
     "ok",
     "errors",
     "errors_by_status",
+    "unfinished",
     "req_per_s",
     "tokens_per_s",
     "ttft_p50_s",
@@ -198,6 +238,12 @@ def append_csv(path: Path, stats: dict[str, ModeStats], elapsed_s: float, args) 
     """Append this run's rows; error kinds go into one `kind=count;...` column so runs with
     different errors share a header."""
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != CSV_FIELDS:
+            columns = ",".join(header)
+            raise SystemExit(f"{path}: written with other columns ({columns}); name a new CSV")
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
@@ -208,7 +254,8 @@ def append_csv(path: Path, stats: dict[str, ModeStats], elapsed_s: float, args) 
             writer.writerow(
                 {
                     "label": args.label,
-                    "concurrency": args.concurrency,
+                    "concurrency": "" if args.rate else args.concurrency,
+                    "rate": args.rate or "",
                     "requests": args.requests,
                     "time_limit_s": args.time_limit_s,
                     "elapsed_s": round(elapsed_s, 2),
@@ -222,6 +269,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway")
     parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open loop instead: Poisson arrivals at this many requests per second",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the --rate arrivals")
     parser.add_argument("--requests", type=int, default=40, help="requests at most, all modes")
     parser.add_argument("--time-limit-s", type=float, default=120.0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -230,6 +284,8 @@ def main() -> None:
     parser.add_argument("--label", default="", help="names this run in the table and CSV")
     parser.add_argument("--csv", type=Path, help="append this run's rows to this CSV")
     args = parser.parse_args()
+    if args.rate is not None and args.rate <= 0:
+        parser.error(f"--rate must be above 0, got {args.rate}")
     stats, elapsed_s = asyncio.run(run(args))
     print(table(stats, elapsed_s, args))
     if args.csv:
