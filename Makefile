@@ -40,8 +40,11 @@ system-deps:
 run: $(STAMP)
 	$(BIN)/ragblend up
 
+# Two pytest workers (pytest-xdist), a test file each at a time so that module fixtures are
+# built once: most service tests wait on processes, so two share two cores well.
+TEST_WORKERS ?= 2
 test: $(STAMP) system-deps
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The checks CI runs before the tests: lint, formatting, and types of engine/, kvstore/, common/.
 lint: $(STAMP)

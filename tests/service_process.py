@@ -21,23 +21,30 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 180.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # Below Linux's ephemeral range (32768-60999): no outgoing connection takes one of these
-# between the check and the service's bind, as it can take a neighbour of an ephemeral port.
-_RUN_PORTS = range(20000, 32000)
+# between the check and the service's bind, as it can take an ephemeral port. `make test` runs
+# pytest-xdist workers: each picks from its own slice, so two never pick one port.
+_PORTS = range(20000, 32000)
+
+
+def _worker_ports() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = len(_PORTS) // max(count, 1)
+    start = _PORTS.start + int(worker) * size
+    return range(start, start + size)
+
+
+def free_port() -> int:
+    return free_port_run(1)
 
 
 def free_port_run(count: int) -> int:
     """The first of `count` consecutive ports that are all free (for `up --engines N`, which
     puts engine i on the first port + i)."""
-    rng = random.Random()
+    ports, rng = _worker_ports(), random.Random()
     for _ in range(200):
-        base = rng.randrange(_RUN_PORTS.start, _RUN_PORTS.stop - count)
+        base = rng.randrange(ports.start, ports.stop - count)
         try:
             with contextlib.ExitStack() as stack:
                 for port in range(base, base + count):
@@ -46,7 +53,7 @@ def free_port_run(count: int) -> int:
         except OSError:
             continue
         return base
-    raise RuntimeError(f"no {count} consecutive free ports in {_RUN_PORTS}")
+    raise RuntimeError(f"no {count} consecutive free ports in {ports}")
 
 
 def service_env(**extra: str) -> dict[str, str]:
