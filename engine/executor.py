@@ -69,6 +69,7 @@ class Executor:
             len(step.prefills) if prefilling else 0,
             completed_tokens,
             time.perf_counter() - start - decode_s,
+            step.num_waiting + (0 if prefilling else len(step.prefills)),
         )
 
     def submit_shadows(self, finished: list[Job], busy: bool) -> None:

@@ -36,6 +36,7 @@ class Step(Generic[S]):
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)
     max_num_batched_tokens: int | None = None
+    num_waiting: int = 0  # requests still queued, not admitted, as the step was scheduled
 
     @property
     def sequences(self) -> list[S]:
@@ -175,7 +176,12 @@ class Scheduler(Generic[S]):
         self._promote_prefilled()
         if not self.prefilling:
             self.prefilling = self._admit()
-        return Step(list(self.decoding), list(self.prefilling), self.max_num_batched_tokens)
+        return Step(
+            list(self.decoding),
+            list(self.prefilling),
+            self.max_num_batched_tokens,
+            len(self.waiting),
+        )
 
     def _promote_prefilled(self) -> None:
         """Sequences whose prompt is cached decode from now on, their prompt prefixes shared."""

@@ -138,6 +138,7 @@ def test_no_sequence_is_admitted_while_a_prefill_is_in_flight():
     s.add(b)
     step = s.schedule()  # a paused at the end of the last step: it goes on, b waits
     assert step.prefills == [a] and list(s.waiting) == [b] and b.lane is None
+    assert step.num_waiting == 1
     prefilled(a)
     assert s.schedule().prefills == [b]
 
