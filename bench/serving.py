@@ -17,7 +17,8 @@ One run, one loaded model (random init of a real shape) and one KV store shared 
    (a lower bound). Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed, refused
    (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
    every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before that
-   point, tokens/s >= the lower rates' peak (that point and the peak's rerun in turn, medians).
+   point, tokens/s >= the peak of the lower rates up to the 1.2x point's (that point and the
+   peak's rerun in turn, medians; the peak of every lower rate is shown beside it).
 2. Decode throughput: one batched decode step (`engine.runner.decode`) at 1, 4, 16 and 64
    sequences of ~3.2K context, tokens/s and the ratio to batch 1.
 3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention

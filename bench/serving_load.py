@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import asdict
 
-from serving_overload import TARGET_FACTOR, overload_rates, rerun_pair, target_row, target_text
+from serving_overload import TARGET_FACTOR, overload_rates, rerun_points, target_row, target_text
 from serving_point import Config, Outcome, Point, Unloaded, one_request, run_point, summarise
 from serving_workload import MODES, Workload, build_workload, request_for
 
@@ -142,14 +142,12 @@ def measure_point(
 def rerun_throughput(
     config: Config, workload: Workload, args: argparse.Namespace, points: list[Point]
 ) -> list[Point]:
-    """The overload target's point and the lower-rate point of highest tokens/s, rerun in turn
+    """The overload target's point and the lower-rate peaks it is compared with, rerun in turn
     `--throughput-rounds` times: their throughputs are compared by medians over the runs."""
-    pair = rerun_pair(points)
-    if pair is None:
-        return []
+    compared = rerun_points(points)
     reruns = []
     for round_ in range(1, args.throughput_rounds + 1):
-        for point in pair:
+        for point in compared:
             rerun = measure_point(config, workload, args, point.rate, point.overload_factor)
             rerun.rate_fraction, rerun.rerun = point.rate_fraction, round_
             reruns.append(rerun)
