@@ -59,11 +59,10 @@ def rerun_points(points: list[Point]) -> list[Point]:
     target = target_point(points)
     if target is None:
         return []
-    groups = lower_rates(points, target)
-    peaks = [max(group, key=lambda p: p.tokens_per_s) for group in groups if group]
-    if not peaks:
-        return []
-    return [target] + [q for i, q in enumerate(peaks) if all(q is not r for r in peaks[:i])]
+    peaks = [max(g, key=lambda p: p.tokens_per_s) for g in lower_rates(points, target) if g]
+    if len(peaks) == 2 and peaks[0] is peaks[1]:
+        peaks.pop()
+    return [target, *peaks] if peaks else []
 
 
 def runs_tokens_per_s(points: list[Point], point: Point) -> list[float]:
