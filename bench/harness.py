@@ -24,6 +24,15 @@ from kvstore.store import KVStore, KVStoreConfig
 from ragblend.model import bundled_model_dtype
 
 SHAPES = {
+    # Compute negligible beside launches: the kernel-count proxy (bench/prefill_launches.py).
+    "launch-proxy": dict(
+        hidden_size=64,
+        num_layers=32,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_positions=8192,
+    ),
     "llama-124m": dict(
         hidden_size=768,
         num_layers=12,

@@ -87,6 +87,11 @@ CASES = (
             "--ratios 0.15 0.5 --profile",
         ),
     ),
+    Case("prefill_launches", ("--chunks 2 4 --chunk-tokens 32",)),
+    Case(
+        "served_ttft",
+        (f"{MODEL} --chunks 2 --chunk-tokens 64 --question-tokens 8 --repeats 1",),
+    ),
     Case(
         "kv_pipeline",
         (f"{MODEL} --chunks 2 --chunk-tokens 64 --question-tokens 8 --repeats 1",),

@@ -13,21 +13,30 @@ import torch
 
 from engine.attention import AttentionPlan
 from engine.budget import StepBudget, wait
-from engine.check import check_keeps, check_scores, indices
+from engine.check import check_keeps, check_scores
 from engine.dense import Dense, Pausable, run_to_end
 from engine.layers import LayerOps
 from engine.plan import PrefillPlan
+from engine.prompt_kv import DenseKV, KVOut, PromptKV, device_index
 from engine.selection import Selection, prompt_generator, ratio_schedule
+from kvstore.device_time import DeviceSpan, mark
 from kvstore.types import ChunkKV, LayerStream
 
 
 @dataclass
 class LayerCompute:
+    """One layer of a prefill: when it ran on the host's clock (the timeline), the span of its
+    work where it ran (`device`: CUDA events on a GPU), the tokens it computed, and whether
+    that span timed this prefill's work alone (no pause, no other prefill or decode rows in
+    its forward): only such layers teach the controller."""
+
     layer: int
     compute_start_s: float
     compute_end_s: float
     num_tokens: int  # tokens computed in this layer
     paused_s: float = 0.0  # of start..end, the time paused between pieces (other work ran)
+    device: DeviceSpan | None = None
+    alone: bool = True
 
     @property
     def busy_s(self) -> float:
@@ -36,13 +45,23 @@ class LayerCompute:
 
 @dataclass
 class PrefillOutput:
-    keys: torch.Tensor  # [L, H_kv, T, D], post-RoPE at the final positions
-    values: torch.Tensor  # [L, H_kv, T, D]
+    kv: PromptKV  # the prompt's KV, post-RoPE at the final positions
     logits: torch.Tensor  # [vocab], float32, of the last position
     num_selected: int  # blended chunk tokens recomputed through the last layer
     kv_wait_s: float
     layer_computes: list[LayerCompute] = field(default_factory=list)
     pre_rope_keys: torch.Tensor | None = None  # [L, H_kv, T, D] when the plan asks for them
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[L, H_kv, T, D] of a prefill into a buffer of its own (DenseKV)."""
+        assert isinstance(self.kv, DenseKV), "a prefill into the pool's blocks has no buffer"
+        return self.kv.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        assert isinstance(self.kv, DenseKV), "a prefill into the pool's blocks has no buffer"
+        return self.kv.values
 
 
 def run_prefill(
@@ -50,13 +69,14 @@ def run_prefill(
     plan: PrefillPlan,
     prefix_kv: ChunkKV | None = None,
     stream: LayerStream | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: KVOut = None,
 ) -> PrefillOutput:
     """Execute `plan` whole and return the KV cache of the whole prompt plus the last logits.
 
     `prefix_kv` is required when `plan.prefix_cached`; `stream` must deliver, per layer, the
-    KV of `plan.streamed_chunks` in that order. `out` (keys, values) [L, H_kv, T, D] receives
-    the prompt's KV; without it the KV is allocated.
+    KV of `plan.streamed_chunks` in that order. `out` receives the prompt's KV: a PromptKV
+    (the sequence's blocks), or (keys, values) [L, H_kv, T, D]; without it a buffer is
+    allocated.
     """
     return run_to_end(prefill_steps(ops, plan, prefix_kv, stream, out, StepBudget()))
 
@@ -66,7 +86,7 @@ def prefill_steps(
     plan: PrefillPlan,
     prefix_kv: ChunkKV | None,
     stream: LayerStream | None,
-    out: tuple[torch.Tensor, torch.Tensor] | None,
+    out: KVOut,
     budget: StepBudget,
 ) -> Pausable[PrefillOutput]:
     """`run_prefill` in pieces: a layer's rows are computed in pieces while `budget` lasts, and
@@ -74,7 +94,11 @@ def prefill_steps(
     in pieces too, then checks every candidate at once, then attends in pieces.
     Pieces give the same result as the whole layer: each row's attention reads the keys of
     the rows before it, which earlier pieces (or the cache) wrote. Drive it with
-    engine.budget's `advance` or `run_to_end` (they run each resumption in inference mode)."""
+    engine.budget's `advance` or `run_to_end` (they run each resumption in inference mode).
+
+    Per layer the loop runs a fixed number of batched operations, whatever the number of
+    chunks: the streamed chunks' KV is one tensor pair (LayerKV), rotated to its positions in
+    one operation and written in one; the only read-back is a check layer's selection."""
     assert plan.prefix_cached == (prefix_kv is not None)
     assert prefix_kv is None or prefix_kv.rotated, (
         "a prefix's keys are used where they were rotated"
@@ -82,19 +106,17 @@ def prefill_steps(
     device, shape = ops.device, ops.shape
     num_tokens, num_layers = plan.num_tokens, shape.num_layers
     cos, sin = ops.rope_tables(num_tokens)
-    cache_shape = (num_layers, shape.num_kv_heads, num_tokens, shape.head_dim)
-    if out is None:
-        keys = torch.empty(cache_shape, dtype=ops.dtype, device=device)
-        values = torch.empty(cache_shape, dtype=ops.dtype, device=device)
-    else:
-        keys, values = out
-        assert keys.shape == values.shape == cache_shape, (keys.shape, cache_shape)
-    pre_rope = torch.empty_like(keys) if plan.keep_pre_rope_keys else None
+    kv = _target(ops, num_tokens, out)
+    pre_rope = (
+        torch.empty((num_layers, *kv.layer(0)[0].shape), dtype=ops.dtype, device=device)
+        if plan.keep_pre_rope_keys
+        else None
+    )
 
-    streamed_spans = [plan.chunk_spans[j] for j in plan.streamed_chunks]
     # Which positions each layer computes is tracked on the host: the attention plan is built
     # there, and reading a mask back from the device would wait for every queued kernel.
-    blend_row = {p: row for row, p in enumerate(plan.blend_positions)}
+    blend_positions = plan.blend_positions
+    blend_row = {p: row for row, p in enumerate(blend_positions)}
     blending = plan.recompute_ratio > 0 and bool(blend_row)
     checks = sorted(set(plan.check_layers)) if blending else []
     ratios = dict(zip(checks, ratio_schedule(plan.recompute_ratio, len(checks)), strict=True))
@@ -102,34 +124,38 @@ def prefill_steps(
     random_pick = blending and plan.selection is Selection.RANDOM and plan.token_scores is None
     generator = prompt_generator(plan.token_ids) if random_pick else None
 
-    positions = sorted(plan.always_computed_positions + (plan.blend_positions if blending else []))
-    computed = _Computed(ops, positions, cos, sin, streamed_spans)
+    # The streamed chunks' positions (every blended token, in order: the rows of a LayerKV),
+    # with their RoPE tables gathered once for every layer.
+    streamed = _Rows(blend_positions, device, (cos, sin)) if plan.streamed_chunks else None
+
+    positions = sorted(plan.always_computed_positions + (blend_positions if blending else []))
+    computed = _Computed(ops, positions, cos, sin, covers_blended=blending)
     num_first = len(positions)
-    h = ops.embed(torch.tensor(plan.token_ids, device=device)[computed.active])
+    h = ops.embed(device_index(plan.token_ids, device)[computed.rows.index])
 
     first_needed = plan.first_streamed_layer
     kv_wait_s, layer_computes = 0.0, []
     for i in range(num_layers):
         yield from wait(budget)
         wait_start = time.perf_counter()
-        streamed = stream.layer(i) if stream is not None and i >= first_needed else []
+        cached = stream.layer(i) if stream is not None and i >= first_needed else None
         compute_start = time.perf_counter()
         kv_wait_s += compute_start - wait_start
+        start_mark, alone = mark(device), budget.alone
 
-        k_layer, v_layer = keys[i], values[i]
+        k_layer, v_layer = kv.layer(i)
         if prefix_kv is not None:
             k_layer[:, : plan.prefix_len] = prefix_kv.keys[i]
             v_layer[:, : plan.prefix_len] = prefix_kv.values[i]
-        for slot, (k_cached, v_cached) in enumerate(streamed):
-            if computed.covers_chunk[slot]:
-                continue  # every token of the chunk is computed in this layer: nothing reused
-            start, length = streamed_spans[slot]
-            end = start + length
-            k_layer[:, start:end] = ops.rotate(k_cached, cos[start:end], sin[start:end])
-            v_layer[:, start:end] = v_cached
+        if cached is not None and streamed is not None and not computed.covers_blended:
+            # Every blended token's cached KV, rotated to its position in this prompt; the
+            # tokens this layer computes overwrite theirs.
+            streamed.write(k_layer, ops.rotate(cached.keys, streamed.cos, streamed.sin))
+            streamed.write(v_layer, cached.values)
 
         num_computed = h.shape[0]
         if i in ratios:
+            assert cached is not None, "a check layer reads the blended chunks' cached KV"
             # The check compares every candidate: it waits until the layer projected all its
             # rows (in pieces), then runs at once.
             (q, k, v), paused = yield from _project_all(
@@ -138,17 +164,18 @@ def prefill_steps(
             candidates = [j for j, p in enumerate(positions) if p in blend_row]
             layer = (q, k, v, k_layer)
             scores = check_scores(
-                ops, i, plan, positions, candidates, layer, streamed, generator, blend_row
+                ops, i, plan, positions, candidates, layer, cached, generator, blend_row
             )
             chosen = check_keeps(plan, scores, ratios[i], i == checks[-1], blend_row, positions)
             if chosen is not None:
                 # The one read-back of a check layer: which tokens were selected.
                 dropped = set(candidates) - {candidates[c] for c in chosen.tolist()}
                 keep = [j for j in range(len(positions)) if j not in dropped]
-                kept = indices(keep, device)
+                kept = device_index(keep, device)
                 h, q = h[kept], q[:, kept]
                 positions = [positions[j] for j in keep]
-                computed = _Computed(ops, positions, cos, sin, streamed_spans)
+                covers = computed.covers_blended and not dropped
+                computed = _Computed(ops, positions, cos, sin, covers_blended=covers)
             h, attend_paused = yield from _pieces(
                 ops, i, h, (k_layer, v_layer), computed, budget, q
             )
@@ -160,19 +187,41 @@ def prefill_steps(
             h, paused = yield from _pieces(
                 ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope, every_row
             )
+        kv.layer_done(i)
+        span = DeviceSpan(start_mark, mark(device))
         layer_computes.append(
-            LayerCompute(i, compute_start, time.perf_counter(), num_computed, paused)
+            LayerCompute(
+                i,
+                compute_start,
+                time.perf_counter(),
+                num_computed,
+                paused,
+                span,
+                alone and budget.alone and not paused,
+            )
         )
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
     return PrefillOutput(
-        keys=keys,
-        values=values,
+        kv=kv,
         logits=ops.logits(h[-1]),
         num_selected=sum(p in blend_row for p in positions) if blending else 0,
         kv_wait_s=kv_wait_s,
         layer_computes=layer_computes,
         pre_rope_keys=pre_rope,
+    )
+
+
+def _target(ops: LayerOps, num_tokens: int, out: KVOut) -> PromptKV:
+    """Where the prompt's KV goes: `out`, the caller's tensors, or a buffer of its own."""
+    if isinstance(out, tuple):
+        return DenseKV.over(*out)
+    if out is not None:
+        assert out.num_tokens == num_tokens, (out.num_tokens, num_tokens)
+        return out
+    shape = ops.shape
+    return DenseKV(
+        shape.num_layers, shape.num_kv_heads, num_tokens, shape.head_dim, ops.dtype, ops.device
     )
 
 
@@ -254,14 +303,32 @@ def _pieces(
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), paused
 
 
-# Beyond this many contiguous runs, the computed positions' KV is written by one indexed copy.
-_MAX_SLICED_RUNS = 16
+class _Rows:
+    """Sorted, unique positions of a prompt, their RoPE tables (cos, sin [n, D], gathered
+    once), and how to write their rows into a cache [H_kv, T, D] in one operation: a slice
+    when they are one contiguous run, else an indexed copy."""
+
+    def __init__(
+        self, positions: list[int], device: torch.device, tables: tuple[torch.Tensor, torch.Tensor]
+    ):
+        self.positions = positions
+        self.index = device_index(positions, device)
+        self.cos, self.sin = tables[0][self.index], tables[1][self.index]
+        contiguous = bool(positions) and positions[-1] - positions[0] + 1 == len(positions)
+        self.run = (positions[0], positions[-1] + 1) if contiguous else None
+
+    def write(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """cache[:, positions] = rows, for rows [H_kv, n, D]."""
+        if self.run is not None:
+            cache[:, self.run[0] : self.run[1]] = rows
+        else:
+            cache.index_copy_(1, self.index, rows)
 
 
 class _Computed:
     """The positions a layer computes, with what follows from them until a check layer narrows
-    them: RoPE tables, the attention plan, the streamed chunks they cover whole, and how to
-    write their KV (slices for a few contiguous runs, else one indexed copy)."""
+    them: RoPE tables, the attention plan, whether they hold every blended token, and how to
+    write their KV."""
 
     def __init__(
         self,
@@ -269,31 +336,20 @@ class _Computed:
         positions: list[int],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        streamed_spans: list[tuple[int, int]],
+        covers_blended: bool = False,
     ):
         self.positions, self._tables = positions, (cos, sin)
-        self.active = active = indices(positions, cos.device)
-        self.cos, self.sin = cos[active], sin[active]
+        self.rows = _Rows(positions, cos.device, (cos, sin))
+        self.cos, self.sin = self.rows.cos, self.rows.sin
         self.attention: AttentionPlan = ops.attention_plan(positions)
-        starts = [
-            i for i in range(len(positions)) if i == 0 or positions[i] != positions[i - 1] + 1
-        ]
-        self.runs = [
-            (s, e, positions[s]) for s, e in zip(starts, [*starts[1:], len(positions)], strict=True)
-        ]
-        flags = bytearray(int(cos.shape[0]))
-        for p in positions:
-            flags[p] = 1
-        self.covers_chunk = [all(flags[s : s + n]) for s, n in streamed_spans]
+        # Every blended token is among the positions (before a check narrows them): the
+        # layer computes them all, so no cached KV is written.
+        self.covers_blended = covers_blended
 
     def part(self, ops: LayerOps, start: int, end: int) -> _Computed:
         """Rows start..end-1 alone: one piece of a layer."""
-        return _Computed(ops, self.positions[start:end], *self._tables, [])
+        return _Computed(ops, self.positions[start:end], *self._tables)
 
     def write(self, cache: torch.Tensor, rows: torch.Tensor) -> None:
-        """cache[:, active] = rows, for a cache [H_kv, T, D] and rows [H_kv, n, D]."""
-        if len(self.runs) > _MAX_SLICED_RUNS:
-            cache.index_copy_(1, self.active, rows)
-            return
-        for start, end, position in self.runs:
-            cache[:, position : position + end - start] = rows[:, start:end]
+        """cache[:, positions] = rows, for a cache [H_kv, T, D] and rows [H_kv, n, D]."""
+        self.rows.write(cache, rows)

@@ -38,6 +38,9 @@ class StepBudget:
     seconds_per_token: float = 0.0  # learnt by `observe`; 0: not yet
     deadline_s: float = math.inf  # perf_counter time the allowance ends
     shared: bool = False  # prefills side by side: a piece's time holds the others' work too
+    # One prefill in its forward, nothing beside it (no other prefill, no decode rows): its
+    # layers' times are its own work (the executor sets it per batch).
+    alone: bool = True
     # Running sums of the measured pieces' token-layers and seconds (`observe`).
     _measured: tuple[float, float] = (0.0, 0.0)
     _last_pace: float = 0.0  # seconds per token-layer of the last piece measured

@@ -9,7 +9,8 @@ import functools
 import torch
 
 from engine.layers import LayerOps
-from engine.plan import ChunkSource, PrefillPlan
+from engine.plan import PrefillPlan
+from engine.prompt_kv import device_index
 from engine.selection import (
     CheckScores,
     Selection,
@@ -20,6 +21,7 @@ from engine.selection import (
     selection_budget,
     token_deviation,
 )
+from kvstore.types import LayerKV
 
 
 def check_scores(
@@ -29,29 +31,24 @@ def check_scores(
     positions: list[int],
     candidates: list[int],
     layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    streamed: list[tuple[torch.Tensor, torch.Tensor]],
+    cached: LayerKV,
     generator: torch.Generator | None,
     blend_row: dict[int, int],
 ) -> CheckScores:
     """The scores of a check layer's candidates (indices into `positions`), each computed
     when a selection first asks: `layer` holds the computed tokens' rotated q, pre-RoPE k and
-    v, and the layer's whole key cache; `streamed` the cached KV of the streamed chunks;
-    `blend_row` maps a blended position to its row in `plan.blend_positions`."""
+    v, and the layer's whole key cache; `cached` the streamed (blended) chunks' cached KV,
+    whose rows are `plan.blend_positions`; `blend_row` maps a blended position to its row."""
     q, k, v, k_layer = layer
     device = k.device
-    blend_slots = [
-        slot
-        for slot, j in enumerate(plan.streamed_chunks)
-        if plan.chunk_sources[j] is ChunkSource.BLEND
-    ]
     chosen_positions = [positions[j] for j in candidates]
 
     def deviation() -> torch.Tensor:
-        cached_k = torch.cat([streamed[s][0] for s in blend_slots], dim=1)
-        cached_v = torch.cat([streamed[s][1] for s in blend_slots], dim=1)
-        rows = indices([blend_row[p] for p in chosen_positions], device)
-        picked = indices(candidates, device)
-        return token_deviation(k[:, picked], cached_k[:, rows], v[:, picked], cached_v[:, rows])
+        rows = device_index([blend_row[p] for p in chosen_positions], device)
+        picked = device_index(candidates, device)
+        return token_deviation(
+            k[:, picked], cached.keys[:, rows], v[:, picked], cached.values[:, rows]
+        )
 
     def attention() -> torch.Tensor:
         suffix = list(range(plan.suffix_start, plan.num_tokens))
@@ -59,7 +56,7 @@ def check_scores(
             return torch.zeros(len(candidates), device=device)
         first = positions.index(plan.suffix_start)
         paid = query_attention(q[:, first:], k_layer, suffix, ops.attention_scale(index))
-        return paid[indices(chosen_positions, device)]
+        return paid[device_index(chosen_positions, device)]
 
     # Every candidate is a blended chunk token: its chunk is the last one starting at or before it.
     starts = [start for start, _ in plan.chunk_spans]
@@ -117,8 +114,3 @@ def auto_mass(selection: Selection, scores: CheckScores) -> torch.Tensor:
     if selection is Selection.WEIGHTED:
         return scores.deviation() * scores.attention()
     return scores.deviation()
-
-
-def indices(values: list[int], device: torch.device) -> torch.Tensor:
-    """An index tensor on `device` (indexing by it, unlike by a mask, needs no read-back)."""
-    return torch.tensor(values, dtype=torch.long, device=device)

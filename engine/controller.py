@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.types import DEFAULT_RECOMPUTE_RATIO
@@ -17,6 +18,12 @@ from kvstore import tiers
 
 # Weight of a load faster than the estimate, and of every compute measurement.
 _EWMA = 0.3
+# Measurements waiting for the device to finish the work they time, at most (the oldest go).
+MAX_PENDING = 256
+
+# A measurement: its seconds now, or a callable giving them once the device is done (None
+# until then: CUDA events are read without waiting for them).
+Seconds = float | Callable[[], float | None]
 # Blend only while loads take less than this share of a layer's compute. Above it a blend
 # saves under 20 % (it recomputes r = load / compute of the tokens anyway) while an estimate
 # a little low makes it wait on every layer's load: measured on the 2-core CPU, blends at
@@ -64,6 +71,10 @@ class Controller:
     a tier costs every request that blends on it load / compute times a full prefill, while
     overestimating it costs one fallback (at most a full prefill), whose probe then measures the
     tier again: see `observe_load`.
+
+    Times are measured where the work runs (kvstore/device_time.py: CUDA events on a GPU); a
+    measurement whose device work is not finished yet waits, and counts once it is (checked,
+    never waited for, at each observation and decision).
     """
 
     def __init__(self, min_ratio: float = DEFAULT_RECOMPUTE_RATIO, min_leading_layers: int = 1):
@@ -72,10 +83,31 @@ class Controller:
         self.seconds_per_byte = {tier: 1.0 / bps for tier, bps in tiers.PRIOR_BYTES_PER_S.items()}
         self._measured: set[str] = set()  # tiers whose estimate is a measurement, not the prior
         self.token_layer_s: float | None = None
+        self._pending: list[tuple[Callable[[], float | None], Callable[[float], None]]] = []
         self._lock = threading.Lock()
 
+    def _take(self, seconds: Seconds, apply: Callable[[float], None]) -> None:
+        """Apply a measurement now, or once its device work is done (lock held)."""
+        if callable(seconds):
+            self._pending.append((seconds, apply))
+            del self._pending[:-MAX_PENDING]
+        else:
+            apply(seconds)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Apply the pending measurements whose device work is done, in order (lock held)."""
+        waiting = []
+        for seconds, apply in self._pending:
+            value = seconds()
+            if value is None:
+                waiting.append((seconds, apply))
+            else:
+                apply(value)
+        self._pending = waiting
+
     def observe_load(
-        self, bytes_by_tier: dict[str, int], seconds: float, probe: bool = False
+        self, bytes_by_tier: dict[str, int], seconds: Seconds, probe: bool = False
     ) -> None:
         """`bytes_by_tier` loaded in `seconds` of loader time (several layers, one stream).
 
@@ -87,9 +119,12 @@ class Controller:
         others' estimates leave over (at least its share by bytes), the others are not updated.
         """
         loaded = {tier: n for tier, n in bytes_by_tier.items() if n > 0}
-        if not loaded or seconds <= 0.0:
-            return
-        with self._lock:
+        if loaded:
+            with self._lock:
+                self._take(seconds, lambda s: self._apply_load(loaded, s, probe))
+
+    def _apply_load(self, loaded: dict[str, int], seconds: float, probe: bool) -> None:
+        if seconds > 0.0:
             slowest = tiers.slowest(list(loaded))
             assert slowest is not None
             others_s = sum(
@@ -104,11 +139,15 @@ class Controller:
                 self.seconds_per_byte[slowest] = (1 - _EWMA) * previous + _EWMA * measured
             self._measured.add(slowest)
 
-    def observe_compute(self, num_tokens: int, seconds: float) -> None:
-        """One layer computed for `num_tokens` tokens in `seconds`."""
-        if num_tokens < 16 or seconds <= 0.0:
+    def observe_compute(self, num_tokens: int, seconds: Seconds) -> None:
+        """One layer computed for `num_tokens` tokens in `seconds` (of that work alone)."""
+        if num_tokens < 16:
             return  # tiny layers are dominated by overheads, not by tokens
         with self._lock:
+            self._take(seconds, lambda s: self._apply_compute(num_tokens, s))
+
+    def _apply_compute(self, num_tokens: int, seconds: float) -> None:
+        if seconds > 0.0:
             measured = seconds / num_tokens
             previous = self.token_layer_s
             self.token_layer_s = (
@@ -127,6 +166,7 @@ class Controller:
         layer; the ratio is at least `min_ratio` (None: the controller's floor)."""
         floor = self.min_ratio if min_ratio is None else min_ratio
         with self._lock:
+            self._settle()
             compute_s = (self.token_layer_s or 0.0) * num_tokens
             load_s = sum(n * self._estimate(tier) for tier, n in layer_bytes_by_tier.items())
         return decide(compute_s, load_s, num_layers, floor, self.min_leading_layers)

@@ -17,6 +17,7 @@ from engine.estimate import QueueEstimate
 from engine.job import Job
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
+from engine.prompt_kv import PagedKV
 from engine.runner import ModelRunner
 from engine.scheduler import Step
 from engine.shadow import Shadow
@@ -92,11 +93,16 @@ class Executor:
                 seq.opened = self.prefiller.open_ahead(
                     seq.layout, request.mode, request.recompute_ratio, request.max_recompute_ratio
                 )
-            # No `out`: a prefill in pieces builds the prompt's KV in a buffer of its own
-            # [L, H_kv, n, D] (the blend loop writes it by position over several steps), which
-            # goes into the sequence's blocks once the prefill completes.
+            # The loop writes the prompt's KV into the sequence's blocks layer by layer (those
+            # of a shared prefix excepted): nothing is copied once it completes.
+            blocks = PagedKV(
+                (self.runner.keys, self.runner.values),
+                seq.block_table,
+                seq.num_prompt_tokens,
+                shared=seq.num_shared_tokens,
+            )
             seq.prefill_steps = self.prefiller.request_steps(
-                seq.layout, request, self.budget, opened=seq.opened
+                seq.layout, request, self.budget, out=blocks, opened=seq.opened
             )
         self.budget.refill(step.prefill_tokens * self.prefiller.ops.shape.num_layers)
         decode_s = self.estimate.decode_step_s
@@ -154,6 +160,8 @@ class Executor:
                 # Only prefills side by side: a piece's time then holds another prompt's work.
                 # Decode rows riding along are part of every bounded step's time.
                 self.budget.shared = len(batch) > 1
+                # A layer's device time is one prefill's own only with nothing beside it.
+                self.budget.alone = len(batch) == 1 and decode is None
                 pausables: list[Pausable[Prefill | torch.Tensor]] = [
                     seq.prefill_steps  # type: ignore[misc]
                     for seq in batch
@@ -176,27 +184,22 @@ class Executor:
         seq.prefill_steps = seq.opened = None
 
     def _accept(self, seq: Job, prefill: Prefill) -> None:
-        """A completed prefill: its KV goes into the sequence's blocks (but for a shared prefix);
-        the first token comes from its logits."""
+        """A completed prefill: its KV is in the sequence's blocks already; the first token
+        comes from its logits."""
         request, output = seq.request, prefill.output
         assert seq.lane is not None and seq.scheduled_s is not None
         prefill.prefill_s = time.perf_counter() - seq.scheduled_s
-        # The positions of a shared prefix are in the blocks already, the same KV (exact).
-        self.runner.write_prompt(
-            seq.block_table, output.keys, output.values, start=seq.num_shared_tokens
-        )
         seq.prefill, seq.num_cached = prefill, seq.num_prompt_tokens
         self.chunks.write_back(prefill.missing_chunks)
         # Penalised tokens are no greedy continuation that the shadow's full prefill could match.
+        kv = output.kv
         seq.shadow = self.shadow.sample(
             request.mode,
             seq.layout.token_ids,
             request.temperature == 0.0 and seq.penalties.neutral,
             prefill.blend.fell_back_to_full_prefill,
-            (output.keys, output.values),
+            lambda: kv.read(0, kv.num_tokens),
         )
-        # The sequence keeps its prefill's report, not the buffer (a sampled shadow holds it).
-        output.keys = output.values = torch.empty(0)
         logits = output.logits
         if not seq.penalties.neutral:
             self.runner.penalties.start(seq.lane, seq.layout.token_ids)

@@ -7,8 +7,6 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import torch
-
 from engine.blend import PrefillOutput, prefill_steps, run_prefill
 from engine.budget import StepBudget
 from engine.controller import Controller
@@ -18,6 +16,7 @@ from engine.options import EngineOptions, default_selection
 from engine.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.prefix_cache import PrefixCache
 from engine.prompt import PromptLayout
+from engine.prompt_kv import KVOut
 from engine.ratio import RatioChoice, RatioPolicy
 from engine.selection import Selection
 from engine.timeline import overlap_fraction, total
@@ -186,7 +185,7 @@ class Prefiller:
         layout: PromptLayout,
         request: GenerateRequest,
         token_scores: tuple[float, ...] | None = None,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: KVOut = None,
         opened: KVLayerStream | None = None,
     ) -> Prefill:
         """`prefill` with what `request` asks of the blend, whole."""
@@ -199,7 +198,7 @@ class Prefiller:
         request: GenerateRequest,
         budget: StepBudget,
         token_scores: tuple[float, ...] | None = None,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: KVOut = None,
         opened: KVLayerStream | None = None,
     ) -> Pausable[Prefill]:
         """`prefill_request` in pieces under a step's `budget` (engine/budget.py)."""
@@ -220,7 +219,7 @@ class Prefiller:
         layout: PromptLayout,
         mode: Mode,
         recompute_ratio: float | str | None = None,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: KVOut = None,
         opened: KVLayerStream | None = None,
         *,
         selection: Selection | None = None,
@@ -256,7 +255,7 @@ class Prefiller:
         layout: PromptLayout,
         mode: Mode,
         recompute_ratio: float | str | None,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
+        out: KVOut,
         opened: KVLayerStream | None,
         *,
         selection: Selection | None,
@@ -290,14 +289,9 @@ class Prefiller:
             finally:
                 if stream is not None:
                     stream.close()
-        if reuse and prefix_kv is None:
-            end, output = attempt.plan.prefix_len, attempt.output
-            self.prefix_cache.put(
-                layout.prefix,
-                ChunkKV(
-                    output.keys[:, :, :end].clone(), output.values[:, :, :end].clone(), rotated=True
-                ),
-            )
+        if reuse and prefix_kv is None and attempt.plan.prefix_len:
+            prefix_keys, prefix_values = attempt.output.kv.read(0, attempt.plan.prefix_len)
+            self.prefix_cache.put(layout.prefix, ChunkKV(prefix_keys, prefix_values, rotated=True))
         self.ratios.observe(layout, attempt.output, attempt.probe, attempt.used)
         return self._report(layout, mode, attempt, start)
 
@@ -308,7 +302,7 @@ class Prefiller:
         blend: _BlendAsk,
         prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
-        into: tuple[tuple[torch.Tensor, torch.Tensor] | None, StepBudget],
+        into: tuple[KVOut, StepBudget],
     ) -> Pausable[_Attempt]:
         """One run of the layer loop over what `stream` found, into `out` under `budget`
         (`into`); KVStreamError when a streamed entry turns out bad."""
@@ -349,7 +343,7 @@ class Prefiller:
         choice: RatioChoice,
         prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
-        into: tuple[tuple[torch.Tensor, torch.Tensor] | None, StepBudget],
+        into: tuple[KVOut, StepBudget],
         present: list[bool],
         tiers: list[str | None],
     ) -> Pausable[_Attempt]:

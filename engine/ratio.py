@@ -141,27 +141,35 @@ class RatioPolicy:
         probe: KVLayerStream | None,
         used: KVLayerStream | None,
     ) -> None:
-        """Feed the controller what this prefill measured: the loader's time per layer of the
-        fallback's probe or of the stream the layer loop read (over every chunk), and the
-        time of the layers computed for every token."""
+        """Feed the controller what this prefill measured where the work ran: the loader's
+        time per layer of the fallback's probe or of the stream the layer loop read (over
+        every chunk), and the time of the layers computed for every token, those timed alone
+        only (a layer that shared its forward with other prefills or decode rows, or paused
+        for other work, timed theirs too)."""
         if probe is not None:
             self._observe_stream(layout.chunks, probe, probe=True)
         if used is not None:
             self._observe_stream(layout.chunks, used, probe=False)
         widest = max((c.num_tokens for c in output.layer_computes), default=0)
         for c in output.layer_computes:
-            if c.num_tokens == widest:
-                self.controller.observe_compute(c.num_tokens, c.busy_s)
+            if c.num_tokens == widest and c.alone and c.device is not None:
+                self.controller.observe_compute(c.num_tokens, c.device.seconds)
 
     def _observe_stream(
         self, chunks: tuple[tuple[int, ...], ...], stream: KVLayerStream, probe: bool
     ) -> None:
         """The layers a (closed) stream loaded, whether or not they were read."""
-        if not stream.timings:
+        timings = list(stream.timings)
+        if not timings:
             return
-        layers = len(stream.timings)
+
+        def seconds() -> float | None:
+            each = [t.seconds() for t in timings]
+            return None if None in each else sum(s for s in each if s is not None)
+
+        layers = len(timings)
         self.controller.observe_load(
             {t: n * layers for t, n in self._layer_bytes(chunks, stream.tiers).items()},
-            sum(t.load_end_s - t.load_start_s for t in stream.timings),
+            seconds,
             probe,
         )

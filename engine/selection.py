@@ -115,39 +115,42 @@ def select(selection: Selection, scores: CheckScores, budget: int) -> torch.Tens
     if budget >= n:
         return torch.arange(n)
     if selection is Selection.HKVD:
-        return select_top(scores.deviation(), budget).cpu()
+        return select_top(scores.deviation(), budget)
     if selection is Selection.QUERY:
-        return select_top(scores.attention(), budget).cpu()
+        return select_top(scores.attention(), budget)
     if selection is Selection.WEIGHTED:
-        return select_top(scores.deviation() * scores.attention(), budget).cpu()
+        return select_top(scores.deviation() * scores.attention(), budget)
     if selection is Selection.SINK:
         return torch.tensor(sorted(sink_order(scores.offsets)[:budget]), dtype=torch.long)
     if selection is Selection.SINK_HKVD:
         chunks = sum(1 for offset in scores.offsets if offset == 0)
         first = min(budget // 2, SINK_TOKENS * chunks)
-        fixed = sink_order(scores.offsets)[:first]
-        return _complete(fixed, scores.deviation(), budget)
+        deviation = scores.deviation()
+        fixed = torch.tensor(sink_order(scores.offsets)[:first], dtype=torch.long)
+        return _complete(fixed.to(deviation.device, non_blocking=True), deviation, budget)
     if selection is Selection.QUERY_HKVD:
-        fixed = select_top(scores.attention(), budget // 2).tolist()
+        fixed = select_top(scores.attention(), budget // 2)
         return _complete(fixed, scores.deviation(), budget)
     raise ValueError(f"unknown selection {selection!r}")
 
 
-def _complete(fixed: Sequence[int], ranking: torch.Tensor, budget: int) -> torch.Tensor:
-    """`fixed` plus the best of the others by `ranking`, `budget` in all, ascending."""
+def _complete(fixed: torch.Tensor, ranking: torch.Tensor, budget: int) -> torch.Tensor:
+    """`fixed` (distinct indices) plus the best of the others by `ranking`, `budget` in all,
+    ascending; on the ranking's device, nothing read back."""
+    if budget <= fixed.numel():
+        return fixed.sort().values
     rest = ranking.float().clone()
-    rest[torch.tensor(list(fixed), dtype=torch.long, device=rest.device)] = float("-inf")
-    extra = select_top(rest, budget - len(fixed)).tolist() if budget > len(fixed) else []
-    return torch.tensor(sorted({*fixed, *extra}), dtype=torch.long)
+    rest[fixed] = float("-inf")  # never picked again: the others outnumber what is asked
+    extra = select_top(rest, budget - fixed.numel())
+    return torch.cat([fixed, extra]).sort().values
 
 
 def coverage_budget(mass: torch.Tensor, share: float, low: int, high: int) -> int:
     """The fewest candidates whose `mass` (non-negative) covers `share` of the total, clamped
     to [low, high]: the auto ratio's budget (a flat mass needs many tokens, a peaked one few)."""
     values = mass.float().clamp_min(0).sort(descending=True).values
-    total = float(values.sum())
-    if total <= 0.0:
-        return low
+    total = values.sum()
     covered = values.cumsum(0) >= share * total * (1 - 1e-6)
-    needed = int(covered.to(torch.int8).argmax()) + 1
+    # One read-back: the count, or `low` where there is no mass to cover.
+    needed = int(torch.where(total > 0, covered.to(torch.int8).argmax() + 1, low))
     return max(low, min(high, needed))

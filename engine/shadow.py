@@ -184,16 +184,18 @@ class Shadow:
         prompt: tuple[int, ...],
         greedy: bool,
         fell_back: bool,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        read_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> ShadowSample | None:
         """A sample to fill while the request decodes, for `fraction` of the eligible requests:
         a reuse mode that did reuse (a cacheblend fallback computed everything but the cached
-        prefix). `kv` is the prompt's KV as the prefill built it."""
+        prefix). `read_kv()` copies the prompt's KV as the prefill built it (called for a
+        sample only)."""
         if mode not in SAMPLED_MODES or fell_back:
             return None
         self.stats.eligible[mode] += 1
         if self.config.fraction <= 0.0 or self._rng.random() >= self.config.fraction:
             return None
+        kv = read_kv() if read_kv is not None else None
         return ShadowSample(mode, prompt, greedy, self.config.max_tokens, kv)
 
     def submit(self, sample: ShadowSample, busy: bool) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -11,29 +10,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvstore.device_time import DeviceSpan, mark
 from kvstore.errors import KVEntryError, KVStreamError
-from kvstore.staging import StagingRing, StagingRings, pack, packed_size, unpack
-from kvstore.tiers import KVPair, LayerItem, LayerSource
-from kvstore.types import LayerLoad, StreamStats
+from kvstore.staging import (
+    StagingRing,
+    StagingRings,
+    chunk_of_each_token,
+    item_tensors,
+    join,
+    move_to_device,
+)
+from kvstore.tiers import LayerItem, LayerSource
+from kvstore.types import NO_CHUNKS, LayerKV, LayerLoad, StreamStats
 
 logger = logging.getLogger(__name__)
 
 
-def _item_tensors(item: LayerItem) -> list[torch.Tensor]:
-    if isinstance(item, tuple):
-        return list(item)
-    return [item.k, item.v, item.k_scale, item.v_scale]
-
-
-def _with_tensors(item: LayerItem, tensors: list[torch.Tensor]) -> LayerItem:
-    if isinstance(item, tuple):
-        return tensors[0], tensors[1]
-    k, v, k_scale, v_scale = tensors
-    return dataclasses.replace(item, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
-
-
 def _nbytes(item: LayerItem) -> int:
-    return sum(t.nbytes for t in _item_tensors(item))
+    return sum(t.nbytes for t in item_tensors(item))
 
 
 class Loader:
@@ -107,12 +101,15 @@ class KVLayerStream:
     wait beyond the one being computed. It never loads layers below `first_layer` (raised
     later by `skip_to`), which the consumer will not read.
 
-    Off the CPU, a layer's host tensors of every chunk are packed into one staging slab (a
-    ring of pinned buffers on CUDA) and reach the device in ONE copy on a dedicated stream;
-    `layer(i)` makes the consumer's stream wait on that copy's event. Tensors already on the
-    device (the gpu tier) are not copied at all. Compressed layers (`QuantizedPair`) travel
-    compressed and are dequantized on the device. `coalesce=True` forces the staged copy on
-    the CPU too (tests); otherwise CPU layers are views of the tier's tensors.
+    A layer reaches the consumer as one LayerKV: the present chunks' keys and values joined
+    into one tensor pair, built in a number of calls that does not grow with the chunks
+    (kvstore/staging.py). Off the CPU, its host tensors move in at most two copies on a
+    dedicated stream (pinned ones straight to the device, the others through a pinned staging
+    slot), and `layer(i)` makes the consumer's stream wait on the end of that work. Tensors
+    already on the device (the gpu tier) are not copied. Compressed layers (`QuantizedPair`)
+    travel compressed and are dequantized on the device. `coalesce=True` takes the staged
+    path on the CPU too (the store's `stage_kv`: tests, benchmarks); otherwise a CPU layer is
+    joined from the tier's tensors (a single chunk: its views).
 
     If a layer cannot be read (I/O error, checksum mismatch), `layer(i)` raises KVStreamError
     for that layer and every later one; earlier layers were valid, and `on_error` gets the
@@ -172,8 +169,9 @@ class KVLayerStream:
         self._requested = first_layer - 1  # highest layer the consumer asked for
         self._next_layer = first_layer  # lowest layer the consumer may still ask for
         self._layers_read: set[int] = set()
-        self._ready: dict[int, list[KVPair]] = {}
+        self._ready: dict[int, LayerKV] = {}
         self._events: dict[int, torch.cuda.Event] = {}
+        self._chunk_indices: dict[tuple[int, ...], torch.Tensor] = {}
         self._error: KVStreamError | None = None
         self._closed = False
         self._staging: StagingRing | None = (
@@ -199,8 +197,9 @@ class KVLayerStream:
                 self._events.pop(skipped, None)
             self._cond.notify_all()
 
-    def layer(self, index: int) -> list[KVPair]:
-        """(keys, values) of `index` per present chunk, each [H_kv, n_j, D] on `device`.
+    def layer(self, index: int) -> LayerKV:
+        """Layer `index` of every present chunk on `device`: keys and values [H_kv, N, D], the
+        chunks' tokens in request order (NO_CHUNKS when none is present).
 
         Blocks until loaded. Raises ValueError when asked out of order (or below the first
         layer), KVStreamError when the layer could not be loaded or the stream was closed.
@@ -209,7 +208,7 @@ class KVLayerStream:
             raise ValueError(f"layer {index} asked below layer {self._next_layer} or out of range")
         self._next_layer = index + 1
         if not self._has_sources:
-            return []  # every chunk missed: each layer is empty
+            return NO_CHUNKS  # every chunk missed: each layer is empty
         with self._cond:
             if self._closed:
                 raise KVStreamError(f"stream closed before layer {index}", index)
@@ -220,21 +219,20 @@ class KVLayerStream:
             for skipped in [j for j in self._ready if j < index]:
                 del self._ready[skipped]
                 self._events.pop(skipped, None)
-            pairs = self._ready.pop(index, None)
+            layer = self._ready.pop(index, None)
             event = self._events.pop(index, None)
             error = self._error
-        if pairs is None:
+        if layer is None:
             if error is not None:
                 raise KVStreamError(str(error), index, error.key) from error
             raise KVStreamError(f"loader stopped before layer {index}", index)
         if event is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(event)
-            for k, v in pairs:
-                # Allocated on the copy stream: keep the allocator from reusing them too early.
-                k.record_stream(consumer)
-                v.record_stream(consumer)
-        return pairs
+            # Allocated on the copy stream: keep the allocator from reusing them too early.
+            layer.keys.record_stream(consumer)
+            layer.values.record_stream(consumer)
+        return layer
 
     def close(self) -> None:
         """Stop loading (promptly, even mid-delay), release files and buffers. Idempotent.
@@ -339,60 +337,50 @@ class KVLayerStream:
             self._count(source.tier, nbytes)
             layer_bytes += nbytes
             items.append(item)
-        pairs, event = self._to_device(items)
-        timing = LayerLoad(i, start_s, time.perf_counter(), layer_bytes)
+        layer, span = self._to_device(items)
+        timing = LayerLoad(i, start_s, time.perf_counter(), layer_bytes, span)
         with self._cond:
             self.timings.append(timing)
             self._layers_read.add(i)
             self._next_load = max(self._next_load, i + 1)
             if i >= self._first_layer:
-                self._ready[i] = pairs
-                if event is not None:
-                    self._events[i] = event
+                self._ready[i] = layer
+                if span is not None:
+                    assert isinstance(span.end, torch.cuda.Event)
+                    self._events[i] = span.end
             self._cond.notify_all()
 
-    def _to_device(self, items: list[LayerItem]) -> tuple[list[KVPair], torch.cuda.Event | None]:
-        """Device pairs of one layer, and the event marking the end of their copy (CUDA)."""
+    def _to_device(self, items: list[LayerItem]) -> tuple[LayerKV, DeviceSpan | None]:
+        """One layer's items as a LayerKV on the device, and on CUDA the span of the copy
+        stream's work for it (the consumer waits on its end)."""
         if not self.coalesce:
-            return [item if isinstance(item, tuple) else item.dequantize() for item in items], None
+            return join(items, self._chunk_index), None
         assert self._staging is not None
         if self._copy_stream is None:
-            return self._transfer(self._staging, items)[0], None
+            moved_items, moved = move_to_device(items, self.device, self._staging)
+            self._count_copies(moved.copies, moved.nbytes)
+            return join(moved_items, self._chunk_index), None
         with torch.cuda.stream(self._copy_stream):
-            pairs, slot = self._transfer(self._staging, items)
-        event = torch.cuda.Event()
-        event.record(self._copy_stream)
-        if slot is not None:
-            self._staging.copied(slot, event)
-        return pairs, event
+            start = mark(self.device, self._copy_stream)
+            moved_items, moved = move_to_device(items, self.device, self._staging)
+            layer = join(moved_items, self._chunk_index)
+            end = mark(self.device, self._copy_stream)
+        assert isinstance(end, torch.cuda.Event)
+        if moved.slot is not None:
+            self._staging.copied(moved.slot, end)
+        self._count_copies(moved.copies, moved.nbytes)
+        return layer, DeviceSpan(start, end)
 
-    def _transfer(
-        self, ring: StagingRing, items: list[LayerItem]
-    ) -> tuple[list[KVPair], int | None]:
-        """Pack every host tensor of the layer into a staging slot, copy the slot to the device
-        in one piece, and rebuild the items as views of the copy (dequantized there); the
-        pairs, and the slot used (None when nothing had to move)."""
-        host = [t for item in items for t in _item_tensors(item) if self._must_move(t)]
-        moved: list[torch.Tensor] = []
-        slot = None
-        if host:
-            slot, staging = ring.take(packed_size(host))
-            offsets = pack(host, staging)
-            device_slab = staging.to(self.device, non_blocking=True, copy=True)
-            moved = unpack(device_slab, offsets, host)
-            self.stats.device_copies += 1
-            self.stats.device_copy_bytes += staging.nbytes
-        pairs, next_moved = [], iter(moved)
-        for item in items:
-            tensors = [next(next_moved) if self._must_move(t) else t for t in _item_tensors(item)]
-            rebuilt = _with_tensors(item, tensors)
-            pairs.append(rebuilt if isinstance(rebuilt, tuple) else rebuilt.dequantize())
-        return pairs, slot
+    def _chunk_index(self, lengths: tuple[int, ...]) -> torch.Tensor:
+        """Each token's chunk among compressed chunks of `lengths`, built once per stream."""
+        index = self._chunk_indices.get(lengths)
+        if index is None:
+            index = self._chunk_indices[lengths] = chunk_of_each_token(lengths, self.device)
+        return index
 
-    def _must_move(self, tensor: torch.Tensor) -> bool:
-        """Host tensors move; device-resident ones (the gpu tier) are used in place. On the
-        CPU, a coalesced stream copies everything (the path tests cover)."""
-        return tensor.device != self.device or self.device.type == "cpu"
+    def _count_copies(self, copies: int, nbytes: int) -> None:
+        self.stats.device_copies += copies
+        self.stats.device_copy_bytes += nbytes if copies else 0
 
     def _count(self, tier: str, nbytes: int) -> None:
         stats = self.stats

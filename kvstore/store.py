@@ -65,6 +65,10 @@ class KVStoreConfig:
     # W-TinyLFU keeps warm chunks through a stream of one-off ones; lru for an exact recency
     # order (bench/results/cache_churn.md measures both).
     memory_policy: PolicyName = "tinylfu"
+    # On the CPU, stream each layer through the staging copy a GPU's layers take (one copy call
+    # per layer into a staging slot, then one more): tests and benchmarks see that path's cost
+    # and its locking without a GPU. Off the CPU layers are always staged.
+    stage_kv: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -281,6 +285,7 @@ class KVStore:
             on_finish=self._finish_stream,
             on_error=self._stream_failed,
             first_layer=first_layer,
+            coalesce=True if self.config.stage_kv else None,
             loader=self.loader,
         )
 

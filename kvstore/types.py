@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
+
+from kvstore.device_time import DeviceSpan
 
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,200}")
 
@@ -75,16 +77,51 @@ class ChunkKV:
         return self.keys[index], self.values[index]
 
 
+@dataclass(frozen=True)
+class LayerKV(Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    """One layer of the KV of a stream's present chunks as one tensor pair: `keys` and `values`
+    [H_kv, N, D], the chunks' tokens back to back in request order (`lengths` each). Also a
+    sequence of (keys, values) per chunk, views of the pair."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    lengths: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        index = range(len(self.lengths))[index]  # negative indices, and IndexError
+        start = sum(self.lengths[:index])
+        end = start + self.lengths[index]
+        return self.keys[:, start:end], self.values[:, start:end]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self[j] for j in range(len(self.lengths)))
+
+
+NO_CHUNKS = LayerKV(torch.empty(0), torch.empty(0), ())
+
+
 @dataclass
 class LayerLoad:
-    """When the KV of one layer (all chunks of a request) was loaded.
-
-    Times are time.perf_counter() seconds."""
+    """When the KV of one layer (all chunks of a request) was loaded, in time.perf_counter()
+    seconds, and `seconds`: how long loading it took where the work ran (the host's reads and
+    packing, or the device's copy if longer: CUDA events), known once the copy is done."""
 
     layer: int
     load_start_s: float
     load_end_s: float
     bytes_loaded: int = 0
+    device_span: DeviceSpan | None = None
+
+    def seconds(self) -> float | None:
+        """max(host seconds, device seconds); None until the device finished the copy."""
+        host = self.load_end_s - self.load_start_s
+        if self.device_span is None:
+            return host
+        device = self.device_span.seconds()
+        return None if device is None else max(host, device)
 
 
 @dataclass
@@ -102,15 +139,15 @@ class LayerStream(Protocol):
 
     `present[j]` says whether chunk j was found (a miss is simply absent from every layer).
     `layer(i)` blocks until layer i of every present chunk is on the stream's device and returns
-    one (keys, values) pair per present chunk, in request order, each [num_kv_heads, n_j, head_dim].
-    Layers must be asked for in increasing order; a loader may run ahead.
+    it as one LayerKV: keys and values [num_kv_heads, N, head_dim], the present chunks' tokens
+    in request order. Layers must be asked for in increasing order; a loader may run ahead.
     """
 
     present: list[bool]
     tiers: list[str | None]
     timings: list[LayerLoad]
 
-    def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def layer(self, index: int) -> LayerKV: ...
 
     def close(self) -> None: ...
 

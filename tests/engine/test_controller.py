@@ -1,12 +1,15 @@
-"""The controller's rule and the overlap measure, as pure functions."""
+"""The controller's rule and the overlap measure, as pure functions; measurements of device work
+that count once the device is done."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.controller import Controller, decide
 from engine.timeline import intersection, merge, overlap_fraction
 from kvstore import tiers
+from kvstore.device_time import DeviceSpan, mark
 
 
 def test_fast_loads_keep_the_minimum_ratio_and_leading_layers():
@@ -130,3 +133,25 @@ def test_overlap_is_the_fraction_of_load_time_under_compute():
     assert overlap_fraction([], computes) == 1.0
     assert merge([(2, 3), (0, 1), (0.5, 2.5)]) == [(0, 3)]
     assert intersection([(0, 10)], [(1, 2), (3, 4)]) == pytest.approx(2.0)
+
+
+def test_a_measurement_counts_once_its_device_work_is_done():
+    controller = Controller(min_ratio=0.15)
+    done: list[float] = []
+    controller.observe_compute(num_tokens=1000, seconds=lambda: done[0] if done else None)
+    controller.observe_load({tiers.MEMORY: MB}, seconds=lambda: done[1] if done else None)
+    assert controller.token_layer_s is None  # the device has not reached the end mark yet
+    before = controller.decide(
+        num_tokens=1000, layer_bytes_by_tier={tiers.MEMORY: MB}, num_layers=8
+    )
+    done.extend([1.0, 0.5])  # the events completed: 1 ms per token-layer, 0.5 s per MB
+    after = controller.decide(num_tokens=1000, layer_bytes_by_tier={tiers.MEMORY: MB}, num_layers=8)
+    assert controller.token_layer_s == pytest.approx(1e-3)
+    assert before.layer_compute_s == 0.0 and after.layer_compute_s == pytest.approx(1.0)
+    assert after.recompute_ratio == pytest.approx(0.5)
+
+
+def test_a_cpu_span_measures_the_host_clock_and_is_never_pending():
+    span = DeviceSpan(mark(torch.device("cpu")), mark(torch.device("cpu")))
+    seconds = span.seconds()
+    assert seconds is not None and seconds >= 0.0

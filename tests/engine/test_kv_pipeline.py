@@ -174,3 +174,43 @@ def test_the_controller_falls_back_to_full_prefill_when_loads_are_slower_than_co
     torch.testing.assert_close(second.output.logits, full.output.logits, rtol=1e-4, atol=1e-5)
     engine.close()
     engine.store.close()
+
+
+@pytest.mark.parametrize("mode", [Mode.CACHEBLEND, Mode.FULL_REUSE])
+def test_served_over_staged_layers_from_memory_and_ssd_the_answer_is_the_direct_one(
+    checkpoint_dir, tmp_path, make_chunks, mode
+):
+    """Each layer's chunks, two in host memory and two on SSD (int8), packed through the staging
+    slot as on a GPU, while the engine thread computes: the served answer is the direct one."""
+    loaded = load_model(checkpoint_dir("llama"))
+    config = KVStoreConfig(
+        model_fingerprint=loaded.fingerprint,
+        ssd_path=tmp_path / "kv",
+        persistent_encoding="int8",
+        stage_kv=True,
+    )
+    with KVStore(config) as store:
+        engine = Engine(loaded, store)
+        try:
+            chunks = make_chunks(4, seed=53)
+            engine.precompute(chunks)
+            store.flush()
+            for chunk in chunks[1::2]:  # every other one read back from SSD, compressed
+                store.tier(tiers.MEMORY).discard(
+                    engine.chunk_key(engine.prompts.chunk_tokens(chunk.text))
+                )
+            warm_prefix(engine)
+            asked = GenerateRequest(
+                question="what does kalo hold?", chunks=chunks, max_tokens=1, mode=mode
+            )
+            direct = engine.prefill(asked)
+            store.flush()  # its reads promoted the SSD entries: back to SSD only
+            for chunk in chunks[1::2]:
+                store.tier(tiers.MEMORY).discard(
+                    engine.chunk_key(engine.prompts.chunk_tokens(chunk.text))
+                )
+            served = engine.generate(asked)
+            assert direct.chunk_tiers == served.chunk_tiers == ["memory", "ssd"] * 2
+            assert served.token_ids[0] == int(direct.output.logits.argmax())
+        finally:
+            engine.close()

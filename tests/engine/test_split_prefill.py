@@ -60,7 +60,12 @@ def test_a_split_prefill_equals_the_whole_one(engine_for, make_chunks, family, o
     chunks = make_chunks(4, seed=7)
     engine.precompute(chunks)
     req = request(chunks, **overrides)
+    # Both runs decide from the same measured speeds (the auto ratio's floor comes from them;
+    # the first run's timings would move them).
+    controller = engine.prefiller.controller
+    speeds = controller.token_layer_s, dict(controller.seconds_per_byte)
     whole = engine.prefill(req)
+    controller.token_layer_s, controller.seconds_per_byte = speeds[0], dict(speeds[1])
     pieces, pauses = split(engine, req, MIN_PIECE_ROWS)
     assert pauses >= engine.ops.shape.num_layers - 1  # at least between every two layers
     assert_same(pieces, whole)
