@@ -130,7 +130,6 @@ def prefill_steps(
 
     positions = sorted(plan.always_computed_positions + (blend_positions if blending else []))
     computed = _Computed(ops, positions, cos, sin, covers_blended=blending)
-    num_first = len(positions)
     h = ops.embed(device_index(plan.token_ids, device)[computed.rows.index])
 
     first_needed = plan.first_streamed_layer
@@ -181,11 +180,8 @@ def prefill_steps(
             )
             paused += attend_paused
         else:
-            # A layer over every token this prefill computes (none dropped by a check yet)
-            # paces the step budget's time allowance.
-            every_row = len(positions) == num_first
             h, paused = yield from _pieces(
-                ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope, every_row
+                ops, i, h, (k_layer, v_layer), computed, budget, None, pre_rope
             )
         kv.layer_done(i)
         span = DeviceSpan(start_mark, mark(device))
@@ -278,17 +274,14 @@ def _pieces(
     budget: StepBudget,
     q: torch.Tensor | None = None,
     pre_rope: torch.Tensor | None = None,
-    every_row: bool = False,
 ) -> Pausable[tuple[torch.Tensor, float]]:
     """Layer i over the computed rows, piece by piece in position order, each attending over
     every key up to its last position; its output and the seconds paused between pieces.
     Without `q` (a check layer projected every row already) a piece first projects its rows
-    and writes their KV. `every_row`: the rows are every prompt token; each piece's time
-    teaches the budget its pace."""
+    and writes their KV."""
     outputs, start, paused = [], 0, 0.0
     while start < h.shape[0]:
         paused += yield from wait(budget)
-        piece_start = time.perf_counter()
         end = start + budget.piece(h.shape[0] - start)
         part = computed if end - start == h.shape[0] else computed.part(ops, start, end)
         if q is None:
@@ -297,7 +290,6 @@ def _pieces(
             q_part = q[:, start:end]
         attn_out = ops.attend(i, q_part, *cache, part.attention)
         outputs.append((yield Dense(ops, i, h[start:end], attn_out)))
-        budget.observe(end - start, time.perf_counter() - piece_start, every_row)
         budget.spend(end - start)
         start = end
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), paused

@@ -1,11 +1,13 @@
 """Chunk KV precompute and write-back: each chunk's standalone KV computed on the worker thread,
-between engine steps, and put in the store unless it is there already."""
+between engine steps, and put in the store unless it is there already (looked up on the
+caller's thread, Redis asked once for all)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from engine.errors import ChunkTooLongError
 from engine.prefill import Prefiller
@@ -39,18 +41,17 @@ class ChunkPrecompute:
         """Compute and store the standalone KV of every chunk not already in the store; waits
         until each entry is written to the store's last tier. Raises ChunkTooLongError, before
         any compute, for a chunk longer than `max_chunk_tokens`."""
-        writes = [
-            self.worker.submit(functools.partial(self._compute, t)) for t in self.tokens(chunks)
-        ]
-        done = [w.result() for w in writes]
+        writes = [self._submit(t) for t in self._missing(self.tokens(chunks))]
+        done = [w if isinstance(w, ChunkWrite) else w.result() for w in writes]
         return _tally(done, [d.written.result() for d in done if d.written is not None])
 
     async def aprecompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
         """Precompute chunk by chunk as background work, between engine steps; tokenizing (and
         the length check) runs on a thread of its own, off the event loop and the model."""
-        tokens = await asyncio.to_thread(self.tokens, chunks)
+        missing = await asyncio.to_thread(lambda: self._missing(self.tokens(chunks)))
+        writes = [self._submit(t) for t in missing]
         done = await asyncio.gather(
-            *(self.worker.run(functools.partial(self._compute, t)) for t in tokens)
+            *(_done(w) if isinstance(w, ChunkWrite) else asyncio.wrap_future(w) for w in writes)
         )
         written = await asyncio.gather(
             *(asyncio.wrap_future(d.written) for d in done if d.written is not None)
@@ -74,16 +75,35 @@ class ChunkPrecompute:
         return result
 
     def write_back(self, missing: list[tuple[int, ...]]) -> None:
-        """Queue the KV of chunks a prefill found missing as background work."""
+        """Queue the KV of chunks a prefill found missing (in every tier) as background work."""
         for tokens in missing:
             self.worker.submit(functools.partial(self._compute, tokens))
 
+    def _missing(self, chunks: list[tuple[int, ...]]) -> list[tuple[int, ...] | None]:
+        """Each chunk's tokens, or None where the store has its KV already."""
+        found = self.store.lookup([self.prefiller.chunk_key(tokens) for tokens in chunks])
+        return [
+            tokens if tier is None else None for tokens, tier in zip(chunks, found, strict=True)
+        ]
+
+    def _submit(self, tokens: tuple[int, ...] | None) -> ChunkWrite | Future[ChunkWrite]:
+        """A skip for a chunk the store has, else its compute queued as background work."""
+        if tokens is None:
+            return ChunkWrite(skipped=True)
+        return self.worker.submit(functools.partial(self._compute, tokens))
+
     def _compute(self, tokens: tuple[int, ...]) -> ChunkWrite:
+        """Compute a chunk's KV (on the worker thread) and put it in the store, unless a task
+        queued before put it in a local tier meanwhile (no Redis asked here)."""
         key = self.prefiller.chunk_key(tokens)
-        if self.store.lookup([key])[0] is not None:
+        if self.store.lookup([key], remote=False)[0] is not None:
             return ChunkWrite(skipped=True)
         kv = self.prefiller.compute_chunk_kv(tokens)
         return ChunkWrite(skipped=False, nbytes=kv.nbytes, written=self.store.put(key, kv))
+
+
+async def _done(write: ChunkWrite) -> ChunkWrite:
+    return write
 
 
 def _tally(done: list[ChunkWrite], written: list[bool]) -> PrecomputeResult:

@@ -85,7 +85,7 @@ def advance_together(
     """Run every prefill until it pauses or returns, the dense work they hand out at the same
     layer and kind computed as one batch (the lowest layer first, so those behind catch up).
     `on_done(index, result)` as each returns; `on_error(index, exc)` where one (or the batch
-    it was in) raised, the rest going on. Call it in inference mode."""
+    it was in, or its `on_done`) raised, the rest going on. Call it in inference mode."""
     waiting: dict[int, Dense] = {}
 
     def step(index: int, value: Any) -> None:
@@ -95,7 +95,10 @@ def advance_together(
             on_error(index, exc)
             return
         if done:
-            on_done(index, result)  # type: ignore[arg-type]
+            try:
+                on_done(index, result)  # type: ignore[arg-type]
+            except Exception as exc:
+                on_error(index, exc)
         elif work is not None:
             waiting[index] = work
 

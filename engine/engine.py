@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.blocks import BlockManager
+from engine.calibrate import step_token_budget
 from engine.chunks import ChunkPrecompute
 from engine.decode import eos_token_ids
 from engine.errors import GenerationCancelled
@@ -19,12 +20,7 @@ from engine.executor import Executor
 from engine.job import Event, Job, new_job
 from engine.layers import LayerOps
 from engine.model import LoadedModel, load_model
-from engine.options import (
-    EngineOptions,
-    batched_tokens_default,
-    decode_slack_default,
-    prefill_batch_default,
-)
+from engine.options import EngineOptions, prefill_batch_default
 from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
@@ -34,6 +30,7 @@ from engine.shadow import Shadow
 from engine.streaming import Generation
 from engine.types import Chunk, GenerateRequest, GenerateResult, PrecomputeResult, StepRecord
 from engine.worker import Worker
+from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore, KVStoreConfig
 
 
@@ -60,7 +57,7 @@ class Engine:
             self.runner.use_cuda_graphs(opts.cuda_graph_max_batch)
         self.max_model_len = self.runner.max_model_len
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        step_tokens = opts.max_num_batched_tokens or batched_tokens_default(loaded.device.type)
+        step_tokens = opts.max_num_batched_tokens or step_token_budget(self.ops, self.runner)
         self.scheduler: Scheduler[Job] = Scheduler(
             blocks,
             opts.max_num_seqs,
@@ -86,9 +83,8 @@ class Engine:
         batch = opts.prefill_batch_tokens
         if batch is None:
             batch = prefill_batch_default(device)
-        slack = decode_slack_default(device) if opts.decode_slack is None else opts.decode_slack
         self.executor = Executor(
-            self.prefiller, self.runner, self.shadow, self.chunks, post, self.estimate, batch, slack
+            self.prefiller, self.runner, self.shadow, self.chunks, post, self.estimate, batch
         )
 
     @classmethod
@@ -168,13 +164,26 @@ class Engine:
         outside the serving loop (tests, benchmarks; `scores`: an oracle's, engine/oracle.py)."""
         return self.prefiller.prefill_request(self.layout(request), request, scores)
 
-    def start(self, request: GenerateRequest, layout: PromptLayout | None = None) -> Generation:
+    def open_kv(self, request: GenerateRequest, layout: PromptLayout) -> KVLayerStream | None:
+        """The request's chunk KV streams looked up now, parked until its prefill starts (None:
+        its mode reads no chunk KV). The lookups read SSD headers and ask Redis (one pipelined
+        round trip): call it where a wait may fall, as `start`'s caller does with `layout`."""
+        return self.prefiller.open_ahead(
+            layout, request.mode, request.recompute_ratio, request.max_recompute_ratio, parked=True
+        )
+
+    def start(
+        self,
+        request: GenerateRequest,
+        layout: PromptLayout | None = None,
+        opened: KVLayerStream | None = None,
+    ) -> Generation:
         """Queue a generation; iterate the returned object on the calling event loop. `layout`
-        replaces the prompt built from the request's text (benchmarks). Raises QueueFullError
-        when queue and KV pool are full, PromptTooLongError when the prompt plus max_tokens
-        exceed max_model_len."""
+        replaces the prompt built from the request's text; `opened`, its `open_kv` (else the
+        lookups run here). Raises QueueFullError when queue and KV pool are full,
+        PromptTooLongError when the prompt plus max_tokens exceed max_model_len."""
         generation = Generation()
-        seq, generation.queue_estimate_s = self._submit(request, layout, generation.deliver)
+        seq, generation.queue_estimate_s = self._submit(request, layout, generation.deliver, opened)
         generation.bind(lambda: self._cancel(seq))
         return generation
 
@@ -190,18 +199,31 @@ class Engine:
         return event
 
     def _submit(
-        self, request: GenerateRequest, layout: PromptLayout | None, emit: Callable[[Event], None]
+        self,
+        request: GenerateRequest,
+        layout: PromptLayout | None,
+        emit: Callable[[Event], None],
+        opened: KVLayerStream | None = None,
     ) -> tuple[Job, float]:
         """The queued job and the wait the queue estimate announces for it, taken as it is
-        queued: exact about what is ahead, where /health's is already old for a burst."""
-        if layout is None:
-            layout = self.layout(request)
-        else:
-            fitting(layout, request.max_tokens, self.max_model_len)
-        seq = new_job(request, layout, self.tokenizer, self.default_penalties, emit)
-        with self._lock:
-            wait_s = self.estimate.wait_for(self.scheduler)
-            self.scheduler.add(seq)
+        queued: exact about what is ahead, where /health's is already old for a burst. Its KV
+        lookups are done here, on the caller's thread, not in an engine step."""
+        try:
+            if layout is None:
+                layout = self.layout(request)
+            else:
+                fitting(layout, request.max_tokens, self.max_model_len)
+            seq = new_job(request, layout, self.tokenizer, self.default_penalties, emit)
+            if opened is None:
+                opened = self.open_kv(request, layout)
+            seq.opened = opened
+            with self._lock:
+                wait_s = self.estimate.wait_for(self.scheduler)
+                self.scheduler.add(seq)
+        except BaseException:
+            if opened is not None:  # never queued: its streams go now
+                opened.close()
+            raise
         self.worker.wake()
         return seq, wait_s
 
@@ -234,7 +256,10 @@ class Engine:
         self.worker.drain()
 
     def close(self) -> None:
-        """Cancel every sequence and stop the worker thread."""
+        """Cancel every sequence, stop the worker thread, and close the KV streams of the
+        sequences it left (queued ones hold theirs, parked)."""
         with self._lock:
             self.scheduler.cancel_all()
         self.worker.close()
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.executor.abandon(seq)

@@ -35,9 +35,6 @@ class QueueEstimate:
     def __init__(self) -> None:
         self.prefill_tokens_per_s: float | None = None
         self.decode_step_s: float | None = None
-        # Decode steps of one sequence alone in the engine: the unloaded time per token (the
-        # slack's unit).
-        self.unloaded_decode_s: float | None = None
         self._prefill_s = 0.0  # prefill seconds since a prefill last completed
         self.decodes_ride = False  # decodes run in the prefills' forward (StepRecord.decode_rode)
 
@@ -65,10 +62,6 @@ class QueueEstimate:
             self.decodes_ride = step.decode_rode
         if step.num_decodes and step.decode_s > 0.0:
             self.decode_step_s = smoothed(self.decode_step_s, step.decode_s)
-            # Only a step with nothing else in the engine: under load a lone decode step reads
-            # caches the prefills evicted (~15 % slower on the CPU), and the slack would grow.
-            if step.alone:
-                self.unloaded_decode_s = smoothed(self.unloaded_decode_s, step.decode_s)
         # A prefill in pieces spends several steps: its throughput counts once it completes.
         self._prefill_s += step.prefill_s
         if step.prefill_tokens and self._prefill_s > 0.0:

@@ -1,6 +1,6 @@
 """Runs one scheduled step on the model: a batched decode of the running sequences, riding in
-the forward of the prefills, which pause where the step's budget ends and go into their KV
-blocks once complete. Runs on the worker thread."""
+the forward of the prefills, each of which pauses where its share of the step ends and writes
+its KV into its blocks as it goes. Runs on the worker thread."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from engine.budget import StepBudget, decode_slack_s
+from engine.budget import StepBudget
 from engine.chunks import ChunkPrecompute
 from engine.dense import Pausable, advance_together, side_by_side
 from engine.estimate import QueueEstimate
@@ -19,7 +19,7 @@ from engine.postprocess import Postprocessor
 from engine.prefill import Prefill, Prefiller
 from engine.prompt_kv import PagedKV
 from engine.runner import ModelRunner
-from engine.scheduler import Step
+from engine.scheduler import Step, prefill_shares
 from engine.shadow import Shadow
 from engine.types import StepRecord
 
@@ -36,29 +36,23 @@ class Executor:
         post: Postprocessor,
         estimate: QueueEstimate,
         batch_tokens: int = 0,
-        slack_factor: float = 0.0,
     ):
         self.prefiller = prefiller
         self.runner = runner
         self.shadow = shadow
         self.chunks = chunks
         self.post = post
-        # The budget every prefill in flight reads; each step refills it.
+        # Consecutive prefills whose prompts total at most this many tokens run side by side.
         self.batch_tokens = batch_tokens
-        self.budget = StepBudget()
-        # A decoding sequence's mean time per token may reach slack_factor x a decode step
-        # alone (the estimate's running average) before its steps stop lending prefills time
-        # (0: never).
-        self.slack_factor = slack_factor
         self.estimate = estimate
 
     def run(self, step: Step[Job]) -> StepRecord:
-        """The step's decode and its prefills within the tokens it leaves them, each timed. With
-        prefills to run, the decode rows ride in their forward (decode_s 0: its time is in
-        prefill_s); alone (the decoding sequences bank their slack: no prefill runs), or
-        replayed from a CUDA graph, it runs first."""
+        """The step's decode and its prefills, each within its share of the step's tokens,
+        timed. With prefills to run, the decode rows ride in their forward (decode_s 0: its time
+        is in prefill_s); alone, or replayed from a CUDA graph, the decode runs first."""
         start = time.perf_counter()
-        prefilling = self.start_prefills(step)
+        self.start_prefills(step)
+        prefilling = bool(step.prefills)
         ride = bool(step.decodes and prefilling and self.runner.graphs is None)
         if step.decodes and not ride:
             self.decode(step.decodes)
@@ -67,10 +61,9 @@ class Executor:
         return StepRecord(
             len(step.decodes),
             0.0 if ride else decode_s,
-            len(step.prefills) if prefilling else 0,
+            len(step.prefills),
             completed_tokens,
             time.perf_counter() - start - decode_s,
-            step.num_waiting + (0 if prefilling else len(step.prefills)),
         )
 
     def submit_shadows(self, finished: list[Job], busy: bool) -> None:
@@ -79,17 +72,20 @@ class Executor:
             if seq.shadow is not None and seq.finish_reason != "error":
                 self.shadow.submit(seq.shadow, busy)
 
-    def start_prefills(self, step: Step[Job]) -> bool:
-        """Give the step's new prefills their pausable steps and fill the step's budget: its
-        prefill tokens, or the decoding sequences' slack (`StepBudget.lend`). Whether any
-        prefill may run. The KV streams of the new ones are opened first, in order, so the
-        store's one loader reads ahead for all (also while they wait)."""
-        seqs = step.prefills
-        new = [seq for seq in seqs if seq.prefill_steps is None]
-        for seq in new:
+    def start_prefills(self, step: Step[Job]) -> None:
+        """Give the step's new prefills their pausable steps, and every prefill its share of
+        the step (`Step.prefill_tokens`, counted once per layer). The KV streams of the new
+        ones (opened parked when each was queued) start first, in order, so the store's one
+        loader reads ahead for all."""
+        seqs, num_layers = step.prefills, self.prefiller.ops.shape.num_layers
+        for seq in seqs:
+            if seq.prefill_steps is not None:
+                continue
             seq.scheduled_s = time.perf_counter()
             request = seq.request
-            if len(seqs) > 1:
+            if seq.opened is not None:
+                seq.opened.start()  # looked up when the request was queued
+            elif len(seqs) > 1:
                 seq.opened = self.prefiller.open_ahead(
                     seq.layout, request.mode, request.recompute_ratio, request.max_recompute_ratio
                 )
@@ -101,26 +97,16 @@ class Executor:
                 seq.num_prompt_tokens,
                 shared=seq.num_shared_tokens,
             )
+            seq.budget = StepBudget()
             seq.prefill_steps = self.prefiller.request_steps(
-                seq.layout, request, self.budget, out=blocks, opened=seq.opened
+                seq.layout, request, seq.budget, out=blocks, opened=seq.opened
             )
-        self.budget.refill(step.prefill_tokens * self.prefiller.ops.shape.num_layers)
-        decode_s = self.estimate.decode_step_s
-        unloaded_s = self.estimate.unloaded_decode_s or decode_s
-        if self.slack_factor and decode_s and unloaded_s and step.decodes:
-            running = [(s.first_token_s or 0.0, s.num_output_tokens) for s in step.decodes]
-            target = self.slack_factor * unloaded_s
-            # Steps that decode alone bank slack only where they take less than the target;
-            # short prompts that fit the count whole are not worth banking for.
-            fits = len(new) == len(seqs) and sum(s.num_prompt_tokens for s in seqs) <= (
-                step.prefill_tokens
-            )
-            bank = decode_s < target and not fits
-            self.budget.lend(decode_slack_s(running, target, time.perf_counter()), bank)
-        return bool(seqs) and not self.budget.spent
+        for seq, tokens in zip(seqs, step.prefill_tokens, strict=True):
+            assert seq.budget is not None
+            seq.budget.refill(tokens * num_layers)
 
     def prefill(self, step: Step[Job], riders: list[Job]) -> int:
-        """Advance the step's prefills while its budget lasts (start_prefills filled it), in
+        """Advance each of the step's prefills within its share (start_prefills gave it), in
         admission order; consecutive ones whose prompts total at most `batch_tokens` side by
         side, their projections and MLPs of the same layer as one batch (dense.py), the decode
         of `riders` with the first of them; the prompt tokens of those that completed."""
@@ -135,12 +121,18 @@ class Executor:
             assert isinstance(prefill, Prefill)
             seq = batch[index]
             seq.prefill_steps = seq.opened = None
-            self._accept(seq, prefill)
+            try:
+                self._accept(seq, prefill)
+            except Exception as exc:  # completing one sequence fails that sequence only
+                log.error("completing a prefill failed", exc_info=exc)
+                self.post.fail(seq, exc)
+                return
             completed += seq.num_prompt_tokens
             first_tokens += 1
             # It now waits for its next token: what is left of an unbounded step (nothing
-            # decoded in it) is bounded as if it decoded.
-            self.budget.bound(step.budget(first_tokens) * num_layers)
+            # decoded in it) is shared as if it decoded.
+            if not step.decodes:
+                self._bound(step, first_tokens)
 
         def failed(batch: list[Job], index: int, exc: Exception) -> None:
             if index == len(batch):
@@ -155,13 +147,10 @@ class Executor:
         decode = self._decode_steps(riders) if riders else None
         with torch.inference_mode():
             for batch in batches:
-                if self.budget.spent:
-                    break
-                # Only prefills side by side: a piece's time then holds another prompt's work.
-                # Decode rows riding along are part of every bounded step's time.
-                self.budget.shared = len(batch) > 1
-                # A layer's device time is one prefill's own only with nothing beside it.
-                self.budget.alone = len(batch) == 1 and decode is None
+                for seq in batch:
+                    assert seq.budget is not None
+                    # A layer's device time is one prefill's own only with nothing beside it.
+                    seq.budget.alone = len(batch) == 1 and decode is None
                 pausables: list[Pausable[Prefill | torch.Tensor]] = [
                     seq.prefill_steps  # type: ignore[misc]
                     for seq in batch
@@ -173,7 +162,21 @@ class Executor:
         if decode is not None:
             decode.close()
             self.decode(riders)
+        for seq in seqs:
+            if seq.budget is not None:
+                seq.num_prefilled = seq.budget.used / num_layers
         return completed
+
+    def _bound(self, step: Step[Job], num_decoding: int) -> None:
+        """Share what a step leaves beside `num_decoding` decodes among its prefills still in
+        flight (they had no bound: nothing decoded when the step began)."""
+        running = [seq for seq in step.prefills if seq.prefill_steps is not None]
+        needs = [max(seq.num_prompt_tokens - seq.num_prefilled, 1.0) for seq in running]
+        shares = prefill_shares(needs, step.budget(num_decoding))
+        num_layers = self.prefiller.ops.shape.num_layers
+        for seq, tokens in zip(running, shares, strict=True):
+            assert seq.budget is not None
+            seq.budget.bound(tokens * num_layers)
 
     def abandon(self, seq: Job) -> None:
         """Stop `seq`'s prefill where it paused (cancelled): its KV streams are closed."""
@@ -181,7 +184,7 @@ class Executor:
             seq.prefill_steps.close()
         if seq.opened is not None:  # an unstarted prefill has not taken its stream over
             seq.opened.close()
-        seq.prefill_steps = seq.opened = None
+        seq.prefill_steps = seq.opened = seq.budget = None
 
     def _accept(self, seq: Job, prefill: Prefill) -> None:
         """A completed prefill: its KV is in the sequence's blocks already; the first token
@@ -227,10 +230,16 @@ class Executor:
         )
 
     def _decoded(self, seqs: list[Job], logits: torch.Tensor) -> None:
+        """Each sequence's token from the step's logits; a sequence whose completion fails
+        (its sampling, its consumer) fails alone."""
         penalised = self.post.penalised(seqs, logits)
         for seq, row, raw in zip(seqs, penalised, logits, strict=True):
             seq.num_cached += 1
-            self.post.accept(seq, row, raw)
+            try:
+                self.post.accept(seq, row, raw)
+            except Exception as exc:
+                log.error("completing a decoded token failed", exc_info=exc)
+                self.post.fail(seq, exc)
 
     def _decode_failed(self, seqs: list[Job], exc: Exception) -> None:
         log.error("decode step failed", exc_info=exc)

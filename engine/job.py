@@ -15,6 +15,7 @@ from engine.sequence import Sequence
 from engine.types import GenerateRequest, GenerateResult, Mode, Penalties, TokenDelta
 
 if TYPE_CHECKING:
+    from engine.budget import StepBudget
     from engine.dense import Pausable
     from engine.prefill import Prefill
     from engine.shadow import ShadowSample
@@ -33,8 +34,10 @@ class Job(Sequence):
     arrival_s: float
     penalties: Penalties  # the request's, the engine's defaults filled in
     prefill: Prefill | None = None
-    # The prefill while it runs in pieces, and the KV stream opened for it before it started.
+    # The prefill while it runs in pieces, its share of each step, and the KV stream opened
+    # for it before it started.
     prefill_steps: Pausable[Prefill] | None = None
+    budget: StepBudget | None = None
     opened: KVLayerStream | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None

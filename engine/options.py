@@ -19,8 +19,8 @@ class EngineOptions:
     to `max_waiting` more requests queue beyond those the free blocks admit; past that
     `start()` raises QueueFullError. A step feeds the model at most `max_num_batched_tokens`
     tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
-    (default: batched_tokens_default()). `shadow` samples blended requests for shadow checks
-    (engine/shadow.py).
+    (default: measured at start, engine/calibrate.py). `shadow` samples blended requests for
+    shadow checks (engine/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best
     measured at equal TTFT (docs/quality.md), `hkvd` where one check layer is all there is.
@@ -42,9 +42,8 @@ class EngineOptions:
     max_model_len: int | None = None
     kv_pool_bytes: int | None = None
     max_prefill_tokens: int = 8192
-    max_num_batched_tokens: int | None = None  # None: batched_tokens_default() of the device
+    max_num_batched_tokens: int | None = None  # None: measured at start (engine/calibrate.py)
     prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
-    decode_slack: float | None = None  # None: decode_slack_default() of the device
     cuda_graph_max_batch: int = 0  # decode steps of up to this many rows from CUDA graphs; 0: eager
     decode_attention: DecodeAttention = "auto"  # how decode reads the KV blocks (docs/engine.md)
     kv_read_delay_s: float = 0.0
@@ -62,15 +61,6 @@ class EngineOptions:
         return layers
 
 
-def batched_tokens_default(device_type: str) -> int:
-    """128 tokens on the CPU, where a prompt token costs ~1/30-1/60 of a decode step (both
-    scale with the weights: 0.5-0.9 ms and ~30 ms for a 124M-parameter model), so a step that
-    also prefills keeps a decoding sequence's time per token near 3x its unloaded value
-    (bench/serving.py). 2048 on a GPU, whose step costs about the same from one token to
-    thousands."""
-    return 128 if device_type == "cpu" else 2048
-
-
 def prefill_batch_default(device_type: str) -> int:
     """Prefills admitted together run side by side while their prompts total at most this
     many tokens: 2048 on the CPU, where 8 prompts of 342 tokens side by side took 0.82x their
@@ -78,14 +68,6 @@ def prefill_batch_default(device_type: str) -> int:
     prompt's forward already keeps the cores busy, and the batch only delays the first ones'
     tokens; bench/prefill_batch.py). 16384 on a GPU, where a short prompt leaves it idle."""
     return 2048 if device_type == "cpu" else 16384
-
-
-def decode_slack_default(device_type: str) -> float:
-    """2.5 on the CPU: a step with decodes may run its prefills past the token budget while
-    every decoding sequence's mean time per token stays within 2.5x a decode step alone (the
-    overload target allows 3x; bench/serving.py). 0 on a GPU, where the host clock sees kernel
-    launches, not their work, so the time a step takes is not known as it runs."""
-    return 2.5 if device_type == "cpu" else 0.0
 
 
 def default_selection(check_layers: tuple[int, ...]) -> Selection:

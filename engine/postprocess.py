@@ -3,6 +3,7 @@ whether it stops, and build the result of a finished sequence."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -10,6 +11,8 @@ import torch
 from engine.job import Job
 from engine.penalties import PenaltyState
 from engine.types import ChunkOrder, GenerateResult, Timings, TokenDelta
+
+log = logging.getLogger(__name__)
 
 
 class Postprocessor:
@@ -46,8 +49,13 @@ class Postprocessor:
 
     @staticmethod
     def fail(seq: Job, exc: Exception) -> None:
+        """End `seq` with an error, handed to its consumer (a consumer that fails to take it
+        is logged: the sequence ends all the same)."""
         seq.finish_reason = "error"
-        seq.emit(exc)
+        try:
+            seq.emit(exc)
+        except Exception:
+            log.exception("a failed sequence's consumer did not take its error")
 
     def finish(self, seq: Job, reason: str) -> None:
         seq.finish_reason = reason

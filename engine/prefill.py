@@ -401,15 +401,23 @@ class Prefiller:
         mode: Mode,
         recompute_ratio: float | str | None = None,
         max_recompute_ratio: float | None = None,
+        parked: bool = False,
     ) -> KVLayerStream | None:
-        """The stream `prefill` would open first for this prompt, opened now: the store's one
-        loader reads its first layers while the prompts ahead of it in the step compute."""
+        """The stream `prefill` would open first for this prompt, opened now: its lookups done
+        on the calling thread (a request still queued: `parked`, nothing loads until its
+        prefill starts it), or its first layers read by the store's one loader while the
+        prompts ahead of it in the step compute."""
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         first = self.ratios.first_layer(mode, recompute_ratio, max_recompute_ratio)
-        return self._open(mode, keys, set(), first)
+        return self._open(mode, keys, set(), first, parked)
 
     def _open(
-        self, mode: Mode, keys: list[str], excluded: set[str], first_layer: int
+        self,
+        mode: Mode,
+        keys: list[str],
+        excluded: set[str],
+        first_layer: int,
+        parked: bool = False,
     ) -> KVLayerStream | None:
         """Streams of every chunk the mode blends (a key in `excluded` counts as absent), from
         `first_layer`; opened before planning, so the loader starts while the plan is made.
@@ -422,6 +430,7 @@ class Prefiller:
             device=self.ops.device,
             read_delay_s=self.kv_read_delay_s,
             first_layer=first_layer,
+            parked=parked,
         )
 
     @staticmethod

@@ -1,11 +1,15 @@
-"""Waiting and running sequences, and the choice of what one engine step does.
+"""Waiting and running sequences, and the choice of what one engine step does, on token and
+block counts alone (the policy: docs/engine.md, "The step policy").
 
-Every step decodes one token for each sequence whose prompt is cached, and gives the prefills
-in flight what is left of the step's token budget; a prefill that needs more pauses and goes
-on in the next step, so a stream of arrivals never starves the decodes. Waiting sequences are
-admitted, in order, once no prefill is in flight, while the KV pool's free blocks hold their
-prompt plus max_tokens (less the blocks of a registered prompt prefix they share) and fewer than
-max_num_seqs run. Plain Python: tensors live in the runner.
+A step has a budget of `max_num_batched_tokens` tokens. Every sequence whose prompt is cached
+decodes one token. The prefills in flight share what is left, in admission order, each at least
+MIN_PREFILL_TOKENS (none starves, however many decode), leaving the head of the queue its floor;
+one that needs more pauses and goes on in the next step. Waiting sequences are then admitted,
+first come first served, while the step has tokens left, the KV pool's free blocks hold their
+prompt plus max_tokens (less the blocks of a registered prompt prefix they share) and fewer
+than max_num_seqs run, and prefill in the same step. With nothing decoding a step's prefills run
+whole.
+Plain Python: tensors live in the runner.
 """
 
 from __future__ import annotations
@@ -23,18 +27,32 @@ from engine.shared_prefix import SharedPrefixes
 
 S = TypeVar("S", bound=Sequence)
 
-# The fewest prefill tokens a step with decodes gives the prefills in flight, however many
-# sequences decode: the prefills always progress.
+# The fewest tokens a step gives each prefill in flight, however many sequences decode or
+# prefill before it: every prefill progresses every step.
 MIN_PREFILL_TOKENS = 16
+
+
+def prefill_shares(needs: list[float], left: float) -> list[float]:
+    """Each prefill's tokens in a step, in order: what the step has left after those before it,
+    at least MIN_PREFILL_TOKENS, at most what it still needs; all math.inf when `left` is."""
+    if math.isinf(left):
+        return [left] * len(needs)
+    shares = []
+    for need in needs:
+        shares.append(min(need, max(MIN_PREFILL_TOKENS, left)))
+        left -= shares[-1]
+    return shares
 
 
 @dataclass
 class Step(Generic[S]):
-    """What one engine step runs: a token for each of `decodes` and `prefills` (admitted
-    together) within the tokens `budget` leaves them, in one forward (engine/executor.py)."""
+    """What one engine step runs: a token for each of `decodes`, and for each of `prefills` (in
+    flight first, then those admitted into this step, in admission order) its share of the
+    step's tokens (`prefill_tokens`, math.inf: run whole), in one forward (engine/executor.py)."""
 
     decodes: list[S] = field(default_factory=list)
     prefills: list[S] = field(default_factory=list)
+    prefill_tokens: list[float] = field(default_factory=list)
     max_num_batched_tokens: int | None = None
     num_waiting: int = 0  # requests still queued, not admitted, as the step was scheduled
 
@@ -42,17 +60,19 @@ class Step(Generic[S]):
     def sequences(self) -> list[S]:
         return [*self.decodes, *self.prefills]
 
-    @property
-    def prefill_tokens(self) -> float:
-        return self.budget(len(self.decodes))
-
     def budget(self, num_decoding: int) -> float:
         """What the step leaves its prefills when `num_decoding` sequences wait for a token:
-        max_num_batched_tokens less one token each, at least MIN_PREFILL_TOKENS; math.inf when
-        none waits (a lone prefill runs whole) or without a budget."""
-        if not num_decoding or self.max_num_batched_tokens is None:
-            return math.inf
-        return max(self.max_num_batched_tokens - num_decoding, MIN_PREFILL_TOKENS)
+        max_num_batched_tokens less one token each; math.inf when none waits (a lone prefill
+        runs whole) or without a budget."""
+        return prefill_budget(self.max_num_batched_tokens, num_decoding)
+
+
+def prefill_budget(max_num_batched_tokens: int | None, num_decoding: int) -> float:
+    """The tokens a step leaves its prefills beside `num_decoding` decodes (math.inf: no bound,
+    nothing decodes or no budget)."""
+    if not num_decoding or max_num_batched_tokens is None:
+        return math.inf
+    return max_num_batched_tokens - num_decoding
 
 
 @dataclass(frozen=True)
@@ -171,14 +191,22 @@ class Scheduler(Generic[S]):
         return PoolUse(in_use, self.prefixes.num_blocks - idle, idle)
 
     def schedule(self) -> Step[S]:
-        """The next step: every sequence whose prompt is cached decodes; the prefills in flight
-        (or, with none, newly admitted ones) share the tokens the decodes leave."""
+        """The next step: every sequence whose prompt is cached decodes; the prefills in flight,
+        then those admitted now, share the tokens the decodes leave (`prefill_shares`)."""
         self._promote_prefilled()
-        if not self.prefilling:
-            self.prefilling = self._admit()
+        left = prefill_budget(self.max_num_batched_tokens, len(self.decoding))
+        # The prefills in flight leave the head of the queue its floor, when the pool admits it.
+        head = MIN_PREFILL_TOKENS if self.waiting and self.num_admissible() else 0
+        shares = prefill_shares([_prefill_need(seq) for seq in self.prefilling], left - head)
+        if not math.isinf(left):
+            left -= sum(shares)
+        admitted = self._admit(left)
+        shares += prefill_shares([_prefill_need(seq) for seq in admitted], left)
+        self.prefilling += admitted
         return Step(
             list(self.decoding),
             list(self.prefilling),
+            shares,
             self.max_num_batched_tokens,
             len(self.waiting),
         )
@@ -191,15 +219,18 @@ class Scheduler(Generic[S]):
             self._share_prefix(seq)
         self.decoding.extend(done)
 
-    def _admit(self) -> list[S]:
-        """Waiting sequences, in order, while their blocks and a lane are free, within
-        max_prefill_tokens; each gets the blocks of its prompt plus max_tokens, the first ones
-        shared where its prefix is registered."""
+    def _admit(self, left: float) -> list[S]:
+        """Waiting sequences, in order, while their blocks and a lane are free and the step has
+        prefill tokens `left` (with no prefill in flight, the first one whatever it has), within
+        max_prefill_tokens (the first one always). Each gets the blocks of its prompt plus
+        max_tokens, the first ones shared where its prefix is registered."""
         batch: list[S] = []
         budget = self.max_prefill_tokens
         while self.waiting and self._free_lanes:
             seq = self.waiting[0]
             if batch and seq.num_prompt_tokens > budget:
+                break
+            if left <= 0 and (batch or self.prefilling):
                 break
             prefix = seq.shared_prefix
             need = self.blocks.blocks_for(seq.max_positions) - self.prefixes.shared_blocks(prefix)
@@ -213,6 +244,8 @@ class Scheduler(Generic[S]):
             seq.lane = heapq.heappop(self._free_lanes)
             seq.status = SequenceStatus.RUNNING
             budget -= seq.num_prompt_tokens
+            if not math.isinf(left):
+                left -= prefill_shares([seq.num_prompt_tokens], left)[0]
             batch.append(seq)
         return batch
 
@@ -262,6 +295,12 @@ class Scheduler(Generic[S]):
     def cancel_all(self) -> None:
         for seq in [*self.waiting, *self.running]:
             seq.cancelled = True
+
+
+def _prefill_need(seq: Sequence) -> float:
+    """Prompt tokens the prefill of `seq` may still compute (an upper bound: a blend computes
+    fewer rows after its check layers)."""
+    return max(seq.num_prompt_tokens - seq.num_prefilled, 1.0)
 
 
 def _prompt_cached(seq: Sequence) -> bool:

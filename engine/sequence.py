@@ -29,6 +29,8 @@ class Sequence:
     shared_prefix: tuple[int, ...] = ()
     num_shared_tokens: int = 0
     num_cached: int = 0  # positions whose KV is in its blocks
+    # Prompt tokens its prefill has computed so far, counted in token-layers over the layers.
+    num_prefilled: float = 0.0
     num_output_tokens: int = 0  # tokens handed to the consumer
     next_token: int | None = None  # sampled, not yet fed to the model
     finish_reason: str | None = None

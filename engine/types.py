@@ -189,18 +189,10 @@ class StepRecord:
     num_prefills: int  # prefills that computed in the step, whole or a piece
     prefill_tokens: int
     prefill_s: float
-    # Sequences in the engine the step did not compute: prefills that waited (their decoding
-    # sequences banked slack) and requests still queued. 0 with one decode: it ran alone.
-    others: int = 0
 
     @property
     def seconds(self) -> float:
         return self.decode_s + self.prefill_s
-
-    @property
-    def alone(self) -> bool:
-        """One sequence decoded and nothing else was in the engine: an unloaded decode step."""
-        return self.num_decodes == 1 and not self.num_prefills and not self.others
 
     @property
     def decode_rode(self) -> bool:

@@ -118,7 +118,9 @@ class KVLayerStream:
     the sources and the layers read and takes over closing them (the store promotes SSD and
     remote entries, completing a partial read); without it they are closed. `close()` stops
     loading promptly whatever the consumer did and never waits on other streams; always close
-    (or use `with`). `timings` and `stats` stay valid after close.
+    (or use `with`). `timings` and `stats` stay valid after close. A stream opened `parked`
+    (for a request still queued: its lookups done, off the engine thread) loads nothing until
+    `start()` or its first `layer()`.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class KVLayerStream:
         first_layer: int = 0,
         coalesce: bool | None = None,
         loader: Loader | None = None,
+        parked: bool = False,
     ) -> None:
         live = [s for s in sources if s is not None]
         layer_counts = {s.num_layers for s in live}
@@ -174,6 +177,8 @@ class KVLayerStream:
         self._chunk_indices: dict[tuple[int, ...], torch.Tensor] = {}
         self._error: KVStreamError | None = None
         self._closed = False
+        # Opened ahead of its prefill (a queued request): nothing loads until `start()`.
+        self._parked = parked
         self._staging: StagingRing | None = (
             self._loader.staging.for_device(self.device) if self.coalesce else None
         )
@@ -182,6 +187,13 @@ class KVLayerStream:
             self._loader.add(self)
 
     # -- consumer side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Let the loader load a stream opened `parked` (its prefill is about to run)."""
+        with self._cond:
+            if self._parked:
+                self._parked = False
+                self._cond.notify_all()
 
     def skip_to(self, layer: int) -> None:
         """Layers below `layer` will not be asked for: the loader skips them (any already
@@ -209,6 +221,7 @@ class KVLayerStream:
         self._next_layer = index + 1
         if not self._has_sources:
             return NO_CHUNKS  # every chunk missed: each layer is empty
+        self.start()
         with self._cond:
             if self._closed:
                 raise KVStreamError(f"stream closed before layer {index}", index)
@@ -276,6 +289,8 @@ class KVLayerStream:
             return None
         if self._closed or self._error is not None or self._next_load >= self.num_layers:
             return FINISH
+        if self._parked:
+            return None
         if self._requested >= self._next_load - self.lookahead:
             return self._next_load
         return None

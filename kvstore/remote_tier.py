@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "ragblend:kv:"
 HEADER_FIELD = "h"  # the header's field in an entry's hash; layer i is the field str(i)
+# A random id per write, read with the header and with every layer: a read whose fields carry
+# two ids saw two writes (a rewrite after eviction, or in another encoding) and is a miss.
+WRITE_FIELD = "w"
 SCHEMES = ("redis", "rediss")
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -50,7 +54,17 @@ class RemoteTierError(OSError):
 
 
 class RemoteEntryGoneError(KVEntryError):
-    """An entry's layer vanished after its header was read (Redis evicted the entry): a miss."""
+    """An entry's layer vanished after its header was read (Redis evicted the entry): a miss.
+    `partial`: the entry is still there without that layer (written by an earlier version,
+    which wrote header and layers apart): the read that finds it deletes it."""
+
+    def __init__(self, message: str, partial: bool = False) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class RemoteEntryRewrittenError(KVEntryError):
+    """The entry was written again after its header was read: a miss, the new entry kept."""
 
 
 def check_url(url: str) -> str:
@@ -84,25 +98,36 @@ def _describe(error: BaseException) -> str:
 
 
 class RemoteEntryReader(EntryReader):
-    """An entry in Redis: each layer is one HGET, copied once into the buffer."""
+    """An entry in Redis: each layer is one HMGET of the layer and the write id, copied once
+    into the buffer."""
 
     tier = tiers.REMOTE
 
     def __init__(
-        self, owner: RemoteTier, key: str, header: kvformat.EntryHeader, header_bytes: bytes
+        self,
+        owner: RemoteTier,
+        key: str,
+        header: kvformat.EntryHeader,
+        header_bytes: bytes,
+        write_id: bytes | None,
     ) -> None:
         super().__init__(key, header, header_bytes)
         self._owner = owner
+        self._write_id = write_id  # None: written by a version without write ids
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
 
     def _fetch(self, layer: int, block: torch.Tensor) -> None:
-        """RemoteTierError when Redis fails, RemoteEntryGoneError when the entry was evicted
+        """RemoteTierError when Redis fails, RemoteEntryRewrittenError when the entry was
+        written again since its header was read, RemoteEntryGoneError when it was evicted
         meanwhile, KVCorruptError when the value's length is wrong."""
-        raw = self._owner.get_layer(self.key, layer)
+        raw, write_id = self._owner.get_layer(self.key, layer)
+        if write_id != self._write_id and write_id is not None:
+            raise RemoteEntryRewrittenError(f"{self.key} was written again while being read")
         if raw is None:
-            raise RemoteEntryGoneError(f"layer {layer} of {self.key} is gone (evicted)")
+            partial = write_id is not None or self._write_id is None
+            raise RemoteEntryGoneError(f"layer {layer} of {self.key} is gone (evicted)", partial)
         expected = kvformat.layer_nbytes(self.header)
         if len(raw) != expected:
             raise KVCorruptError(
@@ -116,7 +141,8 @@ class RemoteEntryReader(EntryReader):
 
 class RemoteTier:
     """Entries in Redis, one hash per entry: `ragblend:kv:<model hash>:<key>` with the header in
-    field `h` and layer i in field `i`. Thread-safe (redis-py's connection pool).
+    field `h`, layer i in field `i` and the write's random id in field `w`, which a reader
+    reads with the header and with every layer. Thread-safe (redis-py's connection pool).
 
     Nothing is cached locally: `key in tier` asks Redis (HEXISTS on the header). An entry is
     written by one HSET of the header and every layer, so Redis stores all of it or nothing; a
@@ -202,19 +228,56 @@ class RemoteTier:
     # -- the Tier protocol -----------------------------------------------------------------
 
     def __contains__(self, key: str) -> bool:
-        name = self.redis_key(key)
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """Whether each entry is there, asked in one pipelined round trip (all False while
+        Redis fails or the tier backs off)."""
+        if not keys:
+            return []
+        names = [self.redis_key(key) for key in keys]
+
+        def exist() -> list[bool]:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.hexists(name, HEADER_FIELD)
+            return [bool(there) for there in pipe.execute()]
+
         try:
-            return bool(self._call("exists", lambda: self._client.hexists(name, HEADER_FIELD)))
+            return self._call("lookup", exist)
         except RemoteTierError:
-            return False
+            return [False] * len(keys)
 
     def open(self, key: str) -> RemoteEntryReader | None:
         """A reader with a verified header (a hit), or None: a miss, Redis failing or backing
         off, or a bad header (counted corrupt, the entry deleted)."""
+        return self.open_many([key])[0]
+
+    def open_many(self, keys: list[str]) -> list[RemoteEntryReader | None]:
+        """`open` of each key, their headers read in one pipelined round trip."""
+        if not keys:
+            return []
+        names = [self.redis_key(key) for key in keys]
+
+        def read_headers() -> list[list[bytes | None]]:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(name, [HEADER_FIELD, WRITE_FIELD])
+            return cast("list[list[bytes | None]]", pipe.execute())
+
         try:
-            raw = self._hget(key, HEADER_FIELD)
+            found = self._call("lookup", read_headers)
         except RemoteTierError:
-            raw = None
+            found = [[None, None]] * len(keys)
+        return [
+            self._reader(key, raw, write_id)
+            for key, (raw, write_id) in zip(keys, found, strict=True)
+        ]
+
+    def _reader(
+        self, key: str, raw: bytes | None, write_id: bytes | None
+    ) -> RemoteEntryReader | None:
+        """The reader of `key` from its header and write id as read, or None (counted)."""
         if raw is None:
             self._count(misses=1)
             return None
@@ -227,15 +290,20 @@ class RemoteTier:
             self._count(misses=1)
             return None
         self._count(hits=1)
-        return RemoteEntryReader(self, key, header, raw)
+        return RemoteEntryReader(self, key, header, raw, write_id)
 
-    def get_layer(self, key: str, layer: int) -> bytes | None:
-        """Layer `layer`'s value of entry `key`, None when it is gone; RemoteTierError."""
-        return self._hget(key, str(layer))
+    def get_layer(self, key: str, layer: int) -> tuple[bytes | None, bytes | None]:
+        """Layer `layer`'s value of entry `key` (None when it is gone) and the id of the write
+        that holds it, read together; RemoteTierError."""
+        return self._hmget(key, str(layer), WRITE_FIELD)
 
-    def _hget(self, key: str, field: str) -> bytes | None:
+    def _hmget(self, key: str, *fields: str) -> tuple[bytes | None, bytes | None]:
+        """Two fields of entry `key`'s hash read at once (one command: one state of the hash)."""
         name = self.redis_key(key)
-        return cast("bytes | None", self._call("get", lambda: self._client.hget(name, field)))
+        first, second = cast(
+            "list[bytes | None]", self._call("get", lambda: self._client.hmget(name, fields))
+        )
+        return first, second
 
     def get(self, key: str) -> ChunkKV | None:
         """The whole entry, every layer verified, or None (a miss; a bad entry is deleted)."""
@@ -256,15 +324,19 @@ class RemoteTier:
         return self.write(kvformat.encode_entry(key, self.model_fingerprint, kv, self.encoding))
 
     def write(self, entry: kvformat.EncodedEntry) -> list[str]:
-        """Write `entry`: the header and every layer in one HSET, which Redis runs whole or
-        refuses whole (OOM), so a failed write leaves nothing and two writers of one key leave
-        one's entry, never a mix. Evicts nothing itself (Redis does); returns [].
-        RemoteTierError when Redis fails or the tier is backing off, ValueError for an entry
-        of another model."""
+        """Write `entry`: the header, every layer and a fresh write id in one HSET, which Redis
+        runs whole or refuses whole (OOM), so a failed write leaves nothing and two writers of
+        one key leave one's entry, never a mix; a reader that saw the other's header finds its
+        layers carry another id (a miss, the entry kept). Evicts nothing itself (Redis does);
+        returns []. RemoteTierError when Redis fails or the tier is backing off, ValueError for
+        an entry of another model."""
         header = entry.header
         if header.model_fingerprint != self.model_fingerprint:
             raise ValueError(f"entry {entry.key} is of another model")
-        fields: dict[FieldT, EncodableT] = {HEADER_FIELD: entry.header_bytes}
+        fields: dict[FieldT, EncodableT] = {
+            HEADER_FIELD: entry.header_bytes,
+            WRITE_FIELD: secrets.token_bytes(8),
+        }
         for i, parts in enumerate(entry.layers):
             fields[str(i)] = b"".join(parts)
         name = self.redis_key(entry.key)
@@ -281,15 +353,20 @@ class RemoteTier:
             return False
 
     def report_error(self, key: str, error: BaseException) -> None:
-        """A read of `key` failed with `error`: a bad value is counted corrupt and deleted; a
-        layer gone is a miss, and the hash is deleted too, since Redis evicts whole hashes: one
-        still there holds a header without that layer, which every lookup would report present
-        and every read fail on; a Redis failure (already counted by the breaker) changes
-        nothing."""
-        if isinstance(error, RemoteEntryGoneError):
+        """A read of `key` failed with `error`: a bad value is counted corrupt and deleted; an
+        entry written again meanwhile is a miss (the new one stays); a layer gone is a miss,
+        and where the hash is still there without that layer (an earlier version's partial
+        write: Redis evicts whole hashes) it is deleted too, since every lookup would report it
+        present and every read fail on it; a Redis failure (already counted by the breaker)
+        changes nothing."""
+        if isinstance(error, RemoteEntryRewrittenError):
+            logger.info("remote entry %s was written again while being read; a miss", key)
+            self._count(misses=1)
+        elif isinstance(error, RemoteEntryGoneError):
             logger.info("remote entry %s lost a layer while being read; a miss", key)
             self._count(misses=1)
-            self.discard(key)
+            if error.partial:
+                self.discard(key)
         elif isinstance(error, KVEntryError):
             self.report_corrupt(key, error)
 

@@ -183,12 +183,20 @@ class KVStore:
         """The tier called `name` (a kvstore.tiers constant), or None when not configured."""
         return next((t for t in self.tiers if t.name == name), None)
 
-    def lookup(self, keys: Sequence[str]) -> list[str | None]:
+    def lookup(self, keys: Sequence[str], remote: bool = True) -> list[str | None]:
         """Where each key is (the fastest tier holding it, or None), from the local indexes (no
-        I/O) and, for keys no local tier has, one HEXISTS on Redis each (none while Redis is
-        unreachable); no recency change, no hit counted. An entry can still turn out bad when
-        read."""
-        return [next((t.name for t in self.tiers if key in t), None) for key in keys]
+        I/O) and, for keys no local tier has, Redis asked once for all of them (none while
+        Redis is unreachable, or without `remote`); no recency change, no hit counted. An entry
+        can still turn out bad when read."""
+        local = [t for t in self.tiers if not isinstance(t, RemoteTier)]
+        found = [next((t.name for t in local if key in t), None) for key in keys]
+        shared = self.tier(tiers.REMOTE)
+        if remote and isinstance(shared, RemoteTier):
+            missed = [j for j, name in enumerate(found) if name is None]
+            present = shared.contains_many([keys[j] for j in missed])
+            for j, there in zip(missed, present, strict=True):
+                found[j] = tiers.REMOTE if there else None
+        return found
 
     def put(self, key: str, kv: ChunkKV) -> Future[bool]:
         """Store `kv` in host memory now and in the SSD and remote tiers in the background (see
@@ -252,10 +260,12 @@ class KVStore:
         read_delay_s: float = 0.0,
         lookahead: int | None = None,
         first_layer: int = 0,
+        parked: bool = False,
     ) -> KVLayerStream:
         """A LayerStream over `keys`, each served by the fastest tier that has it; a key in no
         tier (or bad on SSD or remote), or None, is simply not present. Layers below
-        `first_layer` are never loaded.
+        `first_layer` are never loaded; `parked`: none until the stream's `start()`. The keys
+        the local tiers miss are looked up in the remote tier in one pipelined round trip.
 
         Every SSD or remote entry the stream read, completely or in part, is promoted to host
         memory in the background (`flush()` waits for it): the layers not read yet are read by
@@ -271,12 +281,24 @@ class KVStore:
             source = None
             if key is not None:
                 for tier in self.tiers:
+                    if isinstance(tier, RemoteTier):
+                        break  # below, for every key the local tiers miss at once
                     source = tier.open(key)
                     if source is not None:
                         break
             if source is not None and source.tier == tiers.MEMORY:
                 self._count_host_hit(source)
             sources.append(source)
+        remote = self.tier(tiers.REMOTE)
+        if isinstance(remote, RemoteTier):
+            missed = {
+                j: key
+                for j, (key, source) in enumerate(zip(keys, sources, strict=True))
+                if key is not None and source is None
+            }
+            readers = remote.open_many(list(missed.values()))
+            for j, reader in zip(missed, readers, strict=True):
+                sources[j] = reader
         return KVLayerStream(
             sources,
             device=device,
@@ -287,6 +309,7 @@ class KVStore:
             first_layer=first_layer,
             coalesce=True if self.config.stage_kv else None,
             loader=self.loader,
+            parked=parked,
         )
 
     def stats(self) -> StoreStats:

@@ -83,7 +83,6 @@ def build_engine(settings: EngineSettings) -> Engine:
         max_prefill_tokens=settings.max_prefill_tokens,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         prefill_batch_tokens=settings.prefill_batch_tokens,
-        decode_slack=settings.decode_slack,
         cuda_graph_max_batch=settings.cuda_graph_max_batch,
         decode_attention=settings.decode_attention,
         default_penalties=settings.default_penalties,

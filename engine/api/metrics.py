@@ -149,7 +149,8 @@ class EngineMetrics:
         )
         self.remote_seconds = histogram(
             "remote_seconds",
-            "Latency of one Redis operation of the remote KV tier, by operation (exists, get, "
+            "Latency of one Redis operation of the remote KV tier, by operation (lookup: the "
+            "headers or presence of a prompt's chunks in one pipelined round trip; get: a layer; "
             "put, delete, ping); a skipped one (Redis unreachable, backing off) is not observed",
             REMOTE_BUCKETS,
             "op",

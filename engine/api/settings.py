@@ -114,7 +114,8 @@ class EngineSettings(BaseSettings):
         ge=1,
         le=1_048_576,
         description="tokens one engine step feeds the model, decodes first; prefills fill the "
-        "rest and go on in the next step (default: 128 on the CPU, 2048 on a GPU)",
+        "rest and go on in the next step (default: measured at start, as many prompt tokens "
+        "as 1.5 decode steps of one sequence take on this machine, 16 to 2048)",
     )
     prefill_batch_tokens: int | None = Field(
         None,
@@ -123,14 +124,6 @@ class EngineSettings(BaseSettings):
         description="prefills admitted together run side by side in one forward (projections "
         "and MLPs batched per layer) while their prompts total at most this many tokens; 0: "
         "one after another (default: 2048 on the CPU, 16384 on a GPU)",
-    )
-    decode_slack: float | None = Field(
-        None,
-        ge=0,
-        le=100,
-        description="a step with decodes may run its prefills past max_num_batched_tokens while "
-        "every decoding sequence's mean time per token stays within this many decode steps "
-        "alone; 0: never (default: 2.5 on the CPU, 0 on a GPU)",
     )
     cuda_graph_max_batch: int = Field(
         0,

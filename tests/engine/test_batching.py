@@ -199,7 +199,6 @@ def test_prefills_split_by_a_small_step_budget_decode_what_they_decode_alone(
         checkpoint_dir(family),
         check_layers=(1,),
         max_num_batched_tokens=MIN_PREFILL_TOKENS,
-        decode_slack=0.0,  # no slack lent: every step keeps to the budget
     )
     steps: list[StepRecord] = []
     engine.add_step_listener(steps.append)
@@ -235,7 +234,6 @@ def test_once_a_prefill_of_an_idle_step_completes_the_next_prefill_keeps_to_the_
         check_layers=(1,),
         max_num_batched_tokens=MIN_PREFILL_TOKENS,
         prefill_batch_tokens=0,
-        decode_slack=0.0,
     )
     steps: list[StepRecord] = []
     try:

@@ -124,24 +124,6 @@ def test_where_decodes_ride_in_the_prefills_forward_no_decode_step_is_added():
     assert not estimate.decodes_ride
 
 
-def test_the_unloaded_decode_time_is_learnt_from_steps_that_decode_one_sequence_alone():
-    estimate = QueueEstimate()
-    estimate.observe(StepRecord(4, 0.2, 0, 0, 0.0))  # four sequences
-    estimate.observe(StepRecord(1, 0.0, 1, 0, 0.3))  # one that rode in a prefill's forward
-    assert estimate.unloaded_decode_s is None and estimate.decode_step_s == 0.2
-    estimate.observe(StepRecord(1, 0.05, 0, 0, 0.0))
-    assert estimate.unloaded_decode_s == 0.05
-
-
-def test_a_lone_decode_step_beside_waiting_work_does_not_teach_the_unloaded_time():
-    estimate = QueueEstimate()
-    estimate.observe(StepRecord(1, 0.05, 0, 0, 0.0))
-    estimate.observe(StepRecord(1, 0.08, 0, 0, 0.0, others=1))  # a prefill waited (banked)
-    estimate.observe(StepRecord(1, 0.08, 0, 0, 0.0, others=3))  # requests queued
-    assert estimate.unloaded_decode_s == 0.05
-    assert estimate.decode_step_s is not None and estimate.decode_step_s > 0.05
-
-
 def test_a_full_queue_has_room_once_the_first_seated_sequence_ends_at_the_latest():
     estimate = measured(decode_step_s=0.05)
     assert estimate.room_after_s([300, 40, 120]) == pytest.approx(40 * 0.05)

@@ -1,19 +1,13 @@
 """An engine step: the decode rows of a step that also prefills ride in the prefills' forward
-(one projection for both in the layers they share), decoding sequences with slack lend a
-prefill time past the budget and bank slack too short to be worth lending, and what each
-sequence decodes is unchanged."""
+(one projection for both in the layers they share), a prefill in flight goes on in every step
+however the decodes fill it, and what each sequence decodes is unchanged."""
 
 from __future__ import annotations
 
-import math
-from functools import partial
-
-import pytest
 import torch
 
-import engine.executor
 from engine.blocks import BlockManager
-from engine.budget import MIN_PIECE_ROWS, StepBudget, decode_slack_s
+from engine.budget import MIN_PIECE_ROWS, StepBudget
 from engine.dense import advance_together
 from engine.engine import Engine
 from engine.scheduler import MIN_PREFILL_TOKENS
@@ -45,12 +39,9 @@ def record_projections(engine: Engine, calls: list, monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "decode", decode_alone)
 
 
-def serving_engine(path, decode_slack: float) -> Engine:
+def serving_engine(path) -> Engine:
     return Engine.from_pretrained(
-        path,
-        check_layers=(1,),
-        max_num_batched_tokens=2 * MIN_PREFILL_TOKENS,
-        decode_slack=decode_slack,
+        path, check_layers=(1,), max_num_batched_tokens=2 * MIN_PREFILL_TOKENS
     )
 
 
@@ -70,14 +61,10 @@ def serve_while_one_decodes(engine: Engine, chunks, record) -> None:
 def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
     checkpoint_dir, make_chunks, monkeypatch
 ):
-    engine = serving_engine(checkpoint_dir("llama"), decode_slack=0.0)
+    engine = serving_engine(checkpoint_dir("llama"))
     events: list = []  # (layer, rows) of each projection; a StepRecord ends each step
 
     def record() -> None:
-        # The token count alone sizes the pieces (a learnt time allowance may end a piece
-        # before the decode reaches its layer).
-        engine.executor.budget.seconds_per_token = 0.0
-        monkeypatch.setattr(engine.executor.budget, "observe", lambda *_, **__: None)
         record_projections(engine, events, monkeypatch)
         engine.add_step_listener(events.append)
 
@@ -145,79 +132,27 @@ def test_a_decode_joins_the_projection_of_a_prefill_piece_in_the_layer_they_shar
     torch.testing.assert_close(results[1], alone, rtol=0, atol=1e-4)
 
 
-def test_decoding_sequences_with_slack_lend_a_prefill_the_step_past_its_budget(
+def test_a_prefill_in_flight_computes_in_every_step_while_another_sequence_decodes(
     checkpoint_dir, make_chunks
 ):
-    mixed_steps = {}
-    for slack in (0.0, 1e6):
-        engine = serving_engine(checkpoint_dir("llama"), decode_slack=slack)
-        records: list[StepRecord] = []
-        try:
-            chunks = make_chunks(5, words=40, seed=35)
-            serve_while_one_decodes(
-                engine, chunks, partial(engine.add_step_listener, records.append)
-            )
-        finally:
-            engine.close()
-        mixed_steps[slack] = sum(1 for r in records if r.num_decodes and r.num_prefills)
-    # With slack the first step keeps to the budget (it learns the pace the time is read in),
-    # the next runs the rest; without it, the prompt goes in budget-sized pieces.
-    assert mixed_steps[1e6] <= 2 < 4 <= mixed_steps[0.0]
+    """Decodes in every step, the budget at its floor: the later prompt's prefill goes on in
+    each step until it completes (its share spent each time), and both sequences get the
+    tokens they get alone."""
+    engine = serving_engine(checkpoint_dir("llama"))
+    progress: list[list[float]] = []  # per step: the budget used by each prefill still in flight
 
-
-def test_decoding_sequences_without_slack_bank_it_and_a_long_prefill_waits_for_them(
-    checkpoint_dir, make_chunks, monkeypatch
-):
-    # No decoding sequence ever has slack: once the budget has learnt its pace (the first
-    # bounded piece), a step with decodes computes no prefill: its sequences bank what the
-    # step leaves them. The later prompt waits until the first sequence ends, then runs whole.
-    monkeypatch.setattr(engine.executor, "decode_slack_s", lambda *_: 0.0)
-    served = serving_engine(checkpoint_dir("llama"), decode_slack=1e6)
-    steps: list[tuple[StepRecord, bool]] = []  # each step, and whether a prefill was in flight
-
-    def record() -> None:
-        listen = lambda r: steps.append((r, bool(served.scheduler.prefilling)))  # noqa: E731
-        served.add_step_listener(listen)
+    def listen(record: StepRecord) -> None:
+        in_flight = engine.scheduler.prefilling
+        progress.append([seq.budget.used for seq in in_flight if seq.budget is not None])
 
     try:
-        serve_while_one_decodes(served, make_chunks(5, words=40, seed=36), record)
+        serve_while_one_decodes(
+            engine, make_chunks(5, words=40, seed=35), lambda: engine.add_step_listener(listen)
+        )
     finally:
-        served.close()
-    mixed = [r for r, _ in steps if r.num_decodes and r.num_prefills]
-    banked = [r for r, waits in steps if r.num_decodes and not r.num_prefills and waits]
-    assert len(mixed) <= 2 and len(banked) >= 30
-    # Each decodes on its own (the decode step's time is learnt from it), but not alone in the
-    # engine: the waiting prefill is counted, so the unloaded decode time is not learnt from it.
-    assert all(r.decode_s > 0.0 and r.others == 1 and not r.alone for r in banked)
-
-
-def test_a_prompt_that_fits_the_token_count_whole_does_not_wait_for_slack(
-    checkpoint_dir, make_chunks, monkeypatch
-):
-    monkeypatch.setattr(engine.executor, "decode_slack_s", lambda *_: 0.0)
-    served = Engine.from_pretrained(
-        checkpoint_dir("llama"), check_layers=(1,), max_num_batched_tokens=4096, decode_slack=1e6
-    )
-    steps: list[tuple[StepRecord, bool]] = []  # each step, and whether a prefill was in flight
-
-    def record() -> None:
-        served.executor.budget.seconds_per_token = 1e-4  # a pace learnt: slack counts
-        listen = lambda r: steps.append((r, bool(served.scheduler.prefilling)))  # noqa: E731
-        served.add_step_listener(listen)
-
-    try:
-        serve_while_one_decodes(served, make_chunks(5, words=40, seed=37), record)
-    finally:
-        served.close()
-    # The later prompt prefills whole beside the other's decode: no step banks for it.
-    mixed = [r for r, _ in steps if r.num_decodes and r.num_prefills]
-    banked = [r for r, waits in steps if r.num_decodes and not r.num_prefills and waits]
-    assert len(mixed) == 1 and mixed[0].prefill_tokens > 0 and not banked
-
-
-def test_the_slack_is_the_least_time_a_decoding_sequence_can_wait():
-    now = 100.0
-    # 10 tokens since 99.0 at a 0.2 s target: may reach 101.0; 2 tokens since 99.9: 100.3.
-    assert decode_slack_s([(99.0, 10), (99.9, 2)], 0.2, now) == pytest.approx(0.3)
-    assert decode_slack_s([(99.0, 2)], 0.2, now) < 0  # behind its target: nothing to lend
-    assert decode_slack_s([], 0.2, now) == math.inf
+        engine.close()
+    used = [p[0] for p in progress if p]
+    assert len(used) >= 4  # the prompt went in pieces over several steps
+    layers = engine.ops.shape.num_layers
+    steps = [b - a for a, b in zip(used, used[1:], strict=False)]
+    assert all(step >= MIN_PREFILL_TOKENS * layers for step in steps)  # never a step without

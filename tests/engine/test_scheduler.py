@@ -1,6 +1,7 @@
 """The scheduler: admission by free KV blocks (prompt plus max_tokens) and lanes within a prefill
-token budget, every step decodes first and prefills in what its token budget leaves, 429 only
-when queue and pool are full, blocks and lanes freed at once."""
+token budget, first come first served also while prefills are in flight; every step decodes
+first and shares what its token budget leaves among the prefills in order, each at least the
+floor; 429 only when queue and pool are full, blocks and lanes freed at once."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_a_sequence_longer_than_the_whole_pool_is_refused():
 def test_with_nothing_decoding_the_prefills_of_a_step_run_whole():
     s = scheduler(slots=2, max_waiting=2, step_tokens=32)
     s.add(seq(40))
-    assert math.isinf(s.schedule().prefill_tokens)
+    assert s.schedule().prefill_tokens == [math.inf]
 
 
 def one_decodes_while_one_arrives(s: Scheduler) -> tuple[Sequence, Sequence, Step]:
@@ -123,42 +124,71 @@ def one_decodes_while_one_arrives(s: Scheduler) -> tuple[Sequence, Sequence, Ste
 def test_every_step_decodes_the_cached_sequences_and_prefills_in_the_tokens_they_leave():
     s = scheduler(slots=3, max_waiting=3, step_tokens=32)
     a, b, step = one_decodes_while_one_arrives(s)
-    assert step.decodes == [a] and step.prefills == [b] and step.prefill_tokens == 31
+    assert step.decodes == [a] and step.prefills == [b] and step.prefill_tokens == [10]
     assert s.schedule().decodes == [a]  # b is still prefilling: it does not decode yet
     prefilled(b)
     step = s.schedule()
     assert step.decodes == [a, b] and not step.prefills
 
 
-def test_no_sequence_is_admitted_while_a_prefill_is_in_flight():
-    s = scheduler(slots=3, max_waiting=3)
-    a, b = seq(10), seq(10)
+def test_a_short_request_arriving_during_a_long_prefill_starts_at_the_next_step():
+    s = scheduler(slots=4, max_waiting=4, step_tokens=32, blocks=64)
+    a, long, short = seq(10), seq(600), seq(20)
     s.add(a)
     s.schedule()
-    s.add(b)
-    step = s.schedule()  # a paused at the end of the last step: it goes on, b waits
-    assert step.prefills == [a] and list(s.waiting) == [b] and b.lane is None
-    assert step.num_waiting == 1
-    prefilled(a)
-    assert s.schedule().prefills == [b]
+    prefilled(a)  # decoding from now on: steps are bounded
+    s.add(long)
+    step = s.schedule()
+    assert step.prefills == [long] and step.prefill_tokens == [31]  # all the decode leaves
+    s.add(short)  # arrives while the long prompt prefills
+    step = s.schedule()
+    assert step.prefills == [long, short] and short.lane is not None
+    # The long prompt leaves the arrival its floor: each gets one (a token past the budget).
+    assert step.prefill_tokens == [MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS]
+    assert step.num_waiting == 0
 
 
-def test_prefills_keep_a_minimum_share_of_a_step_that_many_decodes_fill():
-    s = scheduler(slots=8, max_waiting=8, step_tokens=4)
-    running = [seq(10) for _ in range(6)]
+def test_under_decodes_that_fill_the_budget_the_prefill_in_flight_gets_its_floor_each_step():
+    s = scheduler(slots=12, max_waiting=12, step_tokens=8, blocks=96)
+    running = [seq(10) for _ in range(8)]
     for x in running:
         s.add(x)
     s.schedule()
     prefilled(*running)
-    s.add(seq(10))
+    late = [seq(3 * MIN_PREFILL_TOKENS) for _ in range(3)]
+    for x in late:
+        s.add(x)
+    for first in (0, 0, 0, 1, 1, 1, 2, 2, 2):
+        step = s.schedule()
+        # 8 decodes take the whole budget: the prefill in flight gets its floor every step,
+        # and the next one is admitted once it completes (the budget has nothing left).
+        assert len(step.decodes) == 8 and step.prefills == late[first : first + 1]
+        assert step.prefill_tokens == [MIN_PREFILL_TOKENS]
+        x = step.prefills[0]
+        x.num_prefilled += MIN_PREFILL_TOKENS
+        if x.num_prefilled >= x.num_prompt_tokens:
+            prefilled(x)
+            s.finish(x)
+
+
+def test_a_prefill_in_flight_is_given_no_more_than_it_still_needs():
+    s = scheduler(slots=3, max_waiting=3, budget=1000, step_tokens=200, blocks=64)
+    a, b, c = seq(10), seq(120), seq(150)
+    s.add(a)
+    s.schedule()
+    prefilled(a)
+    s.add(b)
+    s.add(c)
     step = s.schedule()
-    assert len(step.decodes) == 6 and step.prefill_tokens == MIN_PREFILL_TOKENS
+    assert step.prefills == [b, c] and step.prefill_tokens == [120, 79]
+    b.num_prefilled, c.num_prefilled = 120, 79
+    assert s.schedule().prefill_tokens == [1, 71]  # b's last rows (an upper bound), c the rest
 
 
 def test_without_a_token_budget_prefills_run_whole_beside_the_decodes():
     s = scheduler(slots=3, max_waiting=3, step_tokens=None)
     a, b, step = one_decodes_while_one_arrives(s)
-    assert step.decodes == [a] and step.prefills == [b] and math.isinf(step.prefill_tokens)
+    assert step.decodes == [a] and step.prefills == [b] and step.prefill_tokens == [math.inf]
 
 
 def test_the_prefill_token_budget_bounds_admission_but_always_admits_one():

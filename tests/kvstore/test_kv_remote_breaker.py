@@ -60,10 +60,10 @@ def test_a_probe_failing_unexpectedly_leaves_the_next_call_free_to_probe(
     server.start()
     time.sleep(FIRST_BACKOFF_S + 0.3)
 
-    def broken(*args: object) -> bool:
+    def broken(*args: object, **kwargs: object) -> bool:
         raise RuntimeError("not a Redis error")
 
-    monkeypatch.setattr(tier._client, "hexists", broken)  # the probe's command fails oddly
+    monkeypatch.setattr(tier._client, "pipeline", broken)  # the probe's lookup fails oddly
     with pytest.raises(RuntimeError):
         KEY in tier  # noqa: B015 - the lookup is the probe
     monkeypatch.undo()

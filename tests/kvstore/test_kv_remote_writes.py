@@ -1,9 +1,11 @@
 """Remote-tier writes on a real redis-server: an entry is written whole or not at all, a header
-left without its layers is a miss that heals, and two writers never leave a mixed entry."""
+left without its layers is a miss that heals, two writers never leave a mixed entry, and a read
+racing them never combines two writes nor deletes the entry."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,3 +98,44 @@ def test_two_writers_of_one_key_in_two_encodings_never_leave_a_mixed_entry(
             for want in expected
         )
     assert reader.stats().corrupt == 0
+
+
+def test_reads_racing_two_writers_in_two_encodings_never_mix_them_nor_delete_the_entry(
+    server: RedisServer,
+) -> None:
+    kv = make_kv(seed=7, num_layers=8, num_tokens=64, head_dim=32)
+    encodings = ("none", "int8")  # a layer of each has another length
+    writers = [RemoteTier(server.url, FINGERPRINT, encoding) for encoding in encodings]
+    expected = [codec.round_trip(kv, encoding) for encoding in encodings]
+    writers[0].put(KEYS[0], kv)
+    reader = RemoteTier(server.url, FINGERPRINT)
+    stop = threading.Event()
+
+    def rewrite(writer: RemoteTier) -> None:
+        while not stop.is_set():
+            writer.put(KEYS[0], kv)
+            time.sleep(0.002)  # room for some reads to complete between the writes
+
+    threads = [threading.Thread(target=rewrite, args=(w,)) for w in writers]
+    for thread in threads:
+        thread.start()
+
+    def one_of_the_writes(got) -> bool:
+        return any(
+            torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+            for want in expected
+        )
+
+    try:
+        for _ in range(300):
+            got = reader.get(KEYS[0])  # header, then each layer: writes land in between
+            assert got is None or one_of_the_writes(got), "a read combined two writes"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    stats = reader.stats()
+    assert stats.misses > 0  # reads met rewrites
+    assert stats.corrupt == 0  # a rewrite is a miss, not a bad entry
+    got = reader.get(KEYS[0])  # never deleted: the last write reads back whole
+    assert got is not None and one_of_the_writes(got)

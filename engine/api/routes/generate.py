@@ -16,9 +16,12 @@ from common.request_id import request_id_var
 from common.sse import sse
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
 from engine.api.schemas import error_responses, response_of, to_request
+from engine.engine import Engine
 from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
+from engine.prompt import PromptLayout
 from engine.streaming import Generation
-from engine.types import GenerateResult, Mode
+from engine.types import GenerateRequest, GenerateResult, Mode
+from kvstore.loader import KVLayerStream
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -56,10 +59,12 @@ async def generate(
     check_text_limits(body.texts(), settings.max_text_chars)
     try:
         request = to_request(body)
-        # Tokenizing a long prompt takes seconds: on a thread, so that the event loop keeps
-        # serving /health and the streams in flight. Length errors are a 422 before queueing.
+        # Tokenizing a long prompt takes seconds, and its chunks' KV lookups read SSD headers
+        # and ask Redis: on a thread, so that the event loop keeps serving /health and the
+        # streams in flight. Length errors are a 422 before queueing.
         layout = await asyncio.to_thread(engine.layout, request)
-        generation = engine.start(request, layout)
+        opened = await _open_kv(engine, request, layout)
+        generation = engine.start(request, layout, opened)
     except QueueFullError as exc:
         metrics.errors.labels("queue_full").inc()
         retry_after = min(max(math.ceil(engine.room_after_s()), RETRY_AFTER_S[0]), RETRY_AFTER_S[1])
@@ -150,3 +155,21 @@ async def _until_done_or_disconnect(generation: Generation, http: Request) -> Ge
         return task.result()
     except GenerationCancelled as exc:
         raise HTTPException(499, detail="client disconnected") from exc
+
+
+async def _open_kv(
+    engine: Engine, request: GenerateRequest, layout: PromptLayout
+) -> KVLayerStream | None:
+    """`engine.open_kv` on a thread; a stream it opens after its caller was cancelled (the
+    client left) is closed, not leaked."""
+    future = asyncio.get_running_loop().run_in_executor(None, engine.open_kv, request, layout)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None and future.result() is not None:
+        future.result().close()
