@@ -6,11 +6,10 @@ piece, against the decode rows riding in the piece's forward, side by side on on
 
 Per (mode, decode batch, variant): one prompt of `--chunks` (6) pooled `--chunk-tokens` (512)
 chunks + a 32-token question prefilled in steps of `--budget` tokens x L token-layers (the
-engine's step budget, counted by tokens only: the time allowance is not learnt here, so both
-variants do the same prefill work per step), each step also decoding `--decodes` sequences at
-`--context` positions. Reports the steps, their median and p90 time and the prefill's total
-time; the variants of a round run one after the other, medians over rounds. Prints a table and
-writes bench/results/decode_ride-<device>.csv.
+engine's step budget, so both variants do the same prefill work per step), each step also
+decoding `--decodes` sequences at `--context` positions. Reports the steps, their median and
+p90 time and the prefill's total time; the variants of a round run one after the other,
+medians over rounds. Prints a table and writes bench/results/decode_ride-<device>.csv.
 """
 
 from __future__ import annotations
@@ -84,7 +83,6 @@ def prefill_in_steps(
 ) -> list[float]:
     """Each step's seconds: a piece of the prefill and one decode of `decode`'s rows."""
     budget = StepBudget()
-    budget.shared = True  # the pace is not learnt: the token count alone sizes every step
     ratio = 0.15 if mode is Mode.CACHEBLEND else None
     steps = engine.prefiller.prefill_steps(
         layout,

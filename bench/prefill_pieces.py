@@ -5,11 +5,9 @@ side by side on one model, the time summed over its pieces against the whole pre
     .venv/bin/python bench/prefill_pieces.py --budgets 128 512 --rounds 5
 
 Per (mode, budget): one prompt of `--chunks` (6) pooled `--chunk-tokens` (512) chunks + a
-32-token question, prefilled in steps of `budget` tokens x L token-layers (counted by tokens
-only, as the engine's step budget before it learns a pace), nothing else in the step. The
-budgets of a round run one after the other; medians over rounds. Why the engine banks decoding
-sequences' slack instead of lending it a budget at a time (docs/engine.md, "Slack lent by
-decoding sequences, and banked"). Prints a table and writes
+32-token question, prefilled in steps of `budget` tokens x L token-layers (the engine's step
+budget), nothing else in the step. The budgets of a round run one after the other; medians
+over rounds: what a smaller `max_num_batched_tokens` costs a prefill. Prints a table and writes
 bench/results/prefill_pieces-<device>.csv.
 """
 
@@ -72,7 +70,6 @@ def parse_args() -> argparse.Namespace:
 def prefill_in_steps(engine: Engine, layout: PromptLayout, mode: Mode, tokens: float) -> int:
     """Prefill `layout` in steps of `tokens` x L token-layers; the number of steps."""
     budget = StepBudget()
-    budget.shared = True  # the pace is not learnt: the token count alone sizes every step
     steps = engine.prefiller.prefill_steps(
         layout,
         mode,

@@ -115,11 +115,6 @@ def parse_args() -> argparse.Namespace:
         help="the engine's token budget per step (default: the engine's, by device)",
     )
     parser.add_argument(
-        "--decode-slack",
-        type=float,
-        help="the engine's decode_slack (default: the engine's, by device; 0: off)",
-    )
-    parser.add_argument(
         "--rate-fractions",
         type=float,
         nargs="+",
@@ -189,8 +184,6 @@ def parse_args() -> argparse.Namespace:
         parser.error("--cuda-graphs and --warm-up must be at least 0")
     if args.cuda_graphs and args.device != "cuda":
         parser.error("--cuda-graphs needs --device cuda")
-    if args.decode_slack is not None and args.decode_slack < 0:
-        parser.error("--decode-slack must be at least 0")
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(

@@ -160,7 +160,6 @@ def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict:
         max_model_len=args.serving_model_len,
         max_waiting=args.max_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        decode_slack=args.decode_slack,
     )
     return options
 
@@ -184,15 +183,12 @@ def serving(
                 if workload is None:
                     workload = build_workload(engine, args, args.requests + 32)
                     budget = engine.scheduler.max_num_batched_tokens
-                    slack = engine.executor.slack_factor
                     notes += [
                         f"{workload.describe(args)}, {args.output_tokens} output tokens; KV "
                         f"pool {engine.runner.num_blocks} blocks x {engine.runner.block_size}, "
                         f"max_model_len {engine.max_model_len}",
                         f"max_num_batched_tokens: {budget}"
-                        + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else "")
-                        + f"; decode_slack: {slack:g}"
-                        + (" (--decode-slack)" if args.decode_slack is not None else ""),
+                        + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),
                         f"overload baselines: the median TPOT of {args.baseline_requests} "
                         "request(s) alone right before each point",
                     ]

@@ -1,10 +1,8 @@
 """The step token budget's trade-off: the gap between a decoding sequence's tokens against
-throughput, for several `max_num_batched_tokens` (and `decode_slack`s) side by side on one model
-and one store.
+throughput, for several `max_num_batched_tokens` side by side on one model and one store.
 
     .venv/bin/python bench/step_budget.py                       # 128 256 512, ~5 min on 2 cores
     .venv/bin/python bench/step_budget.py --budgets 64 128 --modes cacheblend
-    .venv/bin/python bench/step_budget.py --budgets 128 --decode-slacks 0 2.5 --tag slack
 
 Per (mode, budget): a fresh engine (llama-124m shape, bf16, random init) over the same stored
 chunks serves `--requests` requests of 6 pooled 512-token chunks + a 32-token question and 32
@@ -49,7 +47,6 @@ from engine.types import GenerateRequest, Mode, TokenDelta  # noqa: E402
 class Row:
     mode: str
     max_num_batched_tokens: int
-    decode_slack: float
     requests: int
     gap_s: float
     alone_gap_s: float
@@ -68,13 +65,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default=default_dtype())
     parser.add_argument("--shape", default="llama-124m", choices=SHAPES)
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
-    parser.add_argument(
-        "--decode-slacks",
-        type=float,
-        nargs="+",
-        default=[0.0],
-        help="the engine's decode_slack, each side by side (default 0: the budget alone)",
-    )
     parser.add_argument("--tag", help="results file tag")
     modes = [m.value for m in Mode]
     parser.add_argument("--modes", nargs="+", default=["full_prefill", "cacheblend"], choices=modes)
@@ -84,10 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=32)
     args = parser.parse_args()
-    if min(args.budgets) < 1 or args.requests < 1 or args.gap_s < 0 or min(args.decode_slacks) < 0:
-        parser.error(
-            "--budgets must be >= 1, --requests >= 1, --gap-s >= 0 and --decode-slacks >= 0"
-        )
+    if min(args.budgets) < 1 or args.requests < 1 or args.gap_s < 0:
+        parser.error("--budgets must be >= 1, --requests >= 1 and --gap-s >= 0")
     return args
 
 
@@ -118,7 +106,7 @@ def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(tokens, tokens[1:], strict=False)]
 
 
-def measure(engine: Engine, mode: Mode, budget: int, slack: float, layouts, args) -> Row:
+def measure(engine: Engine, mode: Mode, budget: int, layouts, args) -> Row:
     ratio = 0.15 if mode is Mode.CACHEBLEND else None
     request = GenerateRequest(
         question="q",
@@ -139,7 +127,6 @@ def measure(engine: Engine, mode: Mode, budget: int, slack: float, layouts, args
     return Row(
         mode=mode.value,
         max_num_batched_tokens=budget,
-        decode_slack=slack,
         requests=len(runs),
         gap_s=args.gap_s,
         alone_gap_s=alone,
@@ -153,7 +140,7 @@ def measure(engine: Engine, mode: Mode, budget: int, slack: float, layouts, args
     )
 
 
-def run_config(loaded, store, mode: Mode, budget: int, slack: float, args) -> Row:
+def run_config(loaded, store, mode: Mode, budget: int, args) -> Row:
     """One fresh engine over the store: the same requests and arrivals as every other."""
     engine = Engine(
         loaded,
@@ -161,7 +148,6 @@ def run_config(loaded, store, mode: Mode, budget: int, slack: float, args) -> Ro
         max_num_seqs=16,
         max_model_len=4096,
         max_num_batched_tokens=budget,
-        decode_slack=slack,
     )
     try:
         tokens = token_sampler(engine, seed=1)
@@ -173,11 +159,11 @@ def run_config(loaded, store, mode: Mode, budget: int, slack: float, args) -> Ro
             PromptLayout(prefix, tuple(rng.sample(pool, args.chunks)), tokens(32))
             for _ in range(args.requests + 1)
         ]
-        row = measure(engine, mode, budget, slack, layouts, args)
+        row = measure(engine, mode, budget, layouts, args)
     finally:
         engine.close()
     print(
-        f"{row.mode:12s} budget {budget:5d} slack {slack:g}: gap p50 {row.gap_p50_s * 1e3:6.1f} "
+        f"{row.mode:12s} budget {budget:5d}: gap p50 {row.gap_p50_s * 1e3:6.1f} "
         f"ms p90 {row.gap_p90_s * 1e3:6.1f} ms ({row.gap_p90_vs_alone:.2f}x alone "
         f"{row.alone_gap_s * 1e3:.1f} ms), max {row.gap_max_s * 1e3:.0f} ms, TPOT p99 "
         f"{row.tpot_p99_vs_alone:.2f}x alone, TTFT p50 {row.ttft_p50_s:.2f} s, "
@@ -194,8 +180,7 @@ def main() -> None:
     rows: list[Row] = []
     for mode in [Mode(m) for m in args.modes]:
         for budget in args.budgets:
-            for slack in args.decode_slacks:
-                rows.append(run_config(loaded, store, mode, budget, slack, args))
+            rows.append(run_config(loaded, store, mode, budget, args))
     write_rows(f"step_budget-{args.tag + '-' if args.tag else ''}{args.device}.csv", rows)
 
 
