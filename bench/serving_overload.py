@@ -186,8 +186,9 @@ def _range(bounds: tuple[float, float]) -> str:
 
 
 def _change(row: dict, peak: float) -> str:
-    """The target's median tokens/s against a peak's, in per cent."""
-    if math.isnan(peak):
+    """The target's median tokens/s against a peak's, in per cent ("" without a peak, or one of
+    no tokens: a smoke run's points may answer none)."""
+    if math.isnan(peak) or peak <= 0.0:
         return ""
     return f"{100 * (row['throughput'] / peak - 1):+.1f} %"
 
