@@ -1,6 +1,6 @@
-"""Chunk KV precompute and write-back: each chunk's standalone KV computed on the worker thread,
-between engine steps, and put in the store unless it is there already (looked up on the
-caller's thread, Redis asked once for all)."""
+"""Chunk KV precompute and write-back: each chunk's standalone KV computed on the worker thread as
+bounded background work, in pieces between engine steps, and put in the store unless it is there
+already (looked up on the caller's thread, Redis asked once for all)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,17 @@ import functools
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+from engine.budget import StepBudget
+from engine.dense import Pausable
 from engine.errors import ChunkTooLongError
 from engine.prefill import Prefiller
 from engine.prompt import PromptBuilder
 from engine.types import Chunk, ChunkWrite, PrecomputeResult
 from engine.worker import Worker
 from kvstore.store import KVStore
+
+# A chunk's outcome: a skip known at once, or its compute queued.
+_Write = ChunkWrite | Future[ChunkWrite]
 
 
 class ChunkPrecompute:
@@ -40,8 +45,9 @@ class ChunkPrecompute:
     def precompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
         """Compute and store the standalone KV of every chunk not already in the store; waits
         until each entry is written to the store's last tier. Raises ChunkTooLongError, before
-        any compute, for a chunk longer than `max_chunk_tokens`."""
-        writes = [self._submit(t) for t in self._missing(self.tokens(chunks))]
+        any compute, for a chunk longer than `max_chunk_tokens`, and BackgroundQueueFullError
+        when the background queue has no room for every missing chunk (none is queued)."""
+        writes = self._submit(self._missing(self.tokens(chunks)))
         done = [w if isinstance(w, ChunkWrite) else w.result() for w in writes]
         return _tally(done, [d.written.result() for d in done if d.written is not None])
 
@@ -49,7 +55,7 @@ class ChunkPrecompute:
         """Precompute chunk by chunk as background work, between engine steps; tokenizing (and
         the length check) runs on a thread of its own, off the event loop and the model."""
         missing = await asyncio.to_thread(lambda: self._missing(self.tokens(chunks)))
-        writes = [self._submit(t) for t in missing]
+        writes = self._submit(missing)
         done = await asyncio.gather(
             *(_done(w) if isinstance(w, ChunkWrite) else asyncio.wrap_future(w) for w in writes)
         )
@@ -75,9 +81,11 @@ class ChunkPrecompute:
         return result
 
     def write_back(self, missing: list[tuple[int, ...]]) -> None:
-        """Queue the KV of chunks a prefill found missing (in every tier) as background work."""
+        """Queue the KV of chunks a prefill found missing (in every tier) as background work;
+        one that finds the queue full is dropped (the next prompt that misses it asks again)."""
         for tokens in missing:
-            self.worker.submit(functools.partial(self._compute, tokens))
+            self.worker.background.offer(functools.partial(self._compute, tokens))
+        self.worker.wake()
 
     def _missing(self, chunks: list[tuple[int, ...]]) -> list[tuple[int, ...] | None]:
         """Each chunk's tokens, or None where the store has its KV already."""
@@ -86,19 +94,26 @@ class ChunkPrecompute:
             tokens if tier is None else None for tokens, tier in zip(chunks, found, strict=True)
         ]
 
-    def _submit(self, tokens: tuple[int, ...] | None) -> ChunkWrite | Future[ChunkWrite]:
-        """A skip for a chunk the store has, else its compute queued as background work."""
-        if tokens is None:
-            return ChunkWrite(skipped=True)
-        return self.worker.submit(functools.partial(self._compute, tokens))
+    def _submit(self, chunks: list[tuple[int, ...] | None]) -> list[_Write]:
+        """A skip for each chunk the store has, the others' computes queued as background work,
+        all or none (BackgroundQueueFullError)."""
+        missing = [tokens for tokens in chunks if tokens is not None]
+        futures = iter(
+            self.worker.background.submit_all(
+                functools.partial(self._compute, tokens) for tokens in missing
+            )
+        )
+        self.worker.wake()
+        return [ChunkWrite(skipped=True) if t is None else next(futures) for t in chunks]
 
-    def _compute(self, tokens: tuple[int, ...]) -> ChunkWrite:
-        """Compute a chunk's KV (on the worker thread) and put it in the store, unless a task
-        queued before put it in a local tier meanwhile (no Redis asked here)."""
+    def _compute(self, tokens: tuple[int, ...], budget: StepBudget) -> Pausable[ChunkWrite]:
+        """Compute a chunk's KV (on the worker thread, in pieces within `budget`) and put it in
+        the store, unless a task queued before put it in a local tier meanwhile (no Redis asked
+        here)."""
         key = self.prefiller.chunk_key(tokens)
         if self.store.lookup([key], remote=False)[0] is not None:
             return ChunkWrite(skipped=True)
-        kv = self.prefiller.compute_chunk_kv(tokens)
+        kv = yield from self.prefiller.chunk_kv_steps(tokens, budget)
         return ChunkWrite(skipped=False, nbytes=kv.nbytes, written=self.store.put(key, kv))
 
 

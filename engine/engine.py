@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.background import BackgroundQueue
 from engine.blocks import BlockManager
 from engine.calibrate import step_token_budget
 from engine.chunks import ChunkPrecompute
@@ -74,6 +75,7 @@ class Engine:
             lambda: self.scheduler.has_work,
             idle=self.shadow.run_piece,
             idle_every_steps=self.shadow.config.every_steps,
+            background=BackgroundQueue(opts.max_background_chunks, self.ops.shape.num_layers),
         )
         self.chunks = ChunkPrecompute(
             self.prompts, self.prefiller, store, self.worker, self.max_model_len
@@ -231,8 +233,9 @@ class Engine:
         seq.cancelled = True
         self.worker.wake()
 
-    def _step(self) -> None:
-        """One step on the worker thread: schedule, run, then free the finished sequences."""
+    def _step(self) -> float:
+        """One step on the worker thread: schedule, run, then free the finished sequences; the
+        tokens it leaves background work (Step.background_tokens)."""
         self.shadow.preempt()  # client work first: shadows run on idle time only
         with self._lock:
             for seq in self.scheduler.drop_cancelled():
@@ -241,7 +244,7 @@ class Engine:
             step = self.scheduler.schedule()
         seqs = step.sequences
         if not seqs:
-            return
+            return step.background_tokens
         record = self.executor.run(step)
         self.estimate.observe(record)
         with self._lock:
@@ -250,6 +253,7 @@ class Engine:
         self.executor.submit_shadows(finished, busy)
         for listener in self._step_listeners:
             listener(record)
+        return step.background_tokens
 
     def drain(self) -> None:
         """Wait for queued background work (precompute, KV write-back) to finish."""

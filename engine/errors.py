@@ -32,3 +32,7 @@ class QueueFullError(RuntimeError):
 class ModelCorruptError(ModelNotFoundError):
     """A checkpoint file that cannot be read (a damaged or truncated GGUF); reported wherever a
     missing model is."""
+
+
+class BackgroundQueueFullError(QueueFullError):
+    """The background queue (chunk precompute, KV write-back) holds its bound; retry later."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.contract import MAX_PRECOMPUTE_CHUNKS
 from engine.selection import Selection
 from engine.shadow import ShadowConfig
 from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, DecodeAttention, Penalties
@@ -17,7 +18,9 @@ class EngineOptions:
     plus max_tokens; `kv_pool_bytes` bounds the pool (default: half the free GPU memory, or a
     quarter of the available RAM; never more than max_num_seqs x max_model_len positions). Up
     to `max_waiting` more requests queue beyond those the free blocks admit; past that
-    `start()` raises QueueFullError. A step feeds the model at most `max_num_batched_tokens`
+    `start()` raises QueueFullError. Up to `max_background_chunks` chunk computations
+    (precompute, write-back) wait; past that a precompute raises BackgroundQueueFullError and a
+    write-back is dropped. A step feeds the model at most `max_num_batched_tokens`
     tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
     (default: measured at start, engine/calibrate.py). `shadow` samples blended requests for
     shadow checks (engine/shadow.py).
@@ -38,6 +41,7 @@ class EngineOptions:
     system_prompt: str | None = None
     prefix_cache_entries: int = 16
     max_waiting: int = 64
+    max_background_chunks: int = MAX_PRECOMPUTE_CHUNKS  # one precompute request always fits
     max_num_seqs: int = 16
     max_model_len: int | None = None
     kv_pool_bytes: int | None = None

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from engine.blend import PrefillOutput, prefill_steps, run_prefill
+from engine.blend import PrefillOutput, prefill_steps
 from engine.budget import StepBudget
 from engine.controller import Controller
 from engine.dense import Pausable, run_to_end
@@ -161,6 +161,11 @@ class Prefiller:
 
     def compute_chunk_kv(self, tokens: tuple[int, ...]) -> ChunkKV:
         """The chunk run alone behind the chunk prefix (BOS); that entry dropped, keys pre-RoPE."""
+        return run_to_end(self.chunk_kv_steps(tokens, StepBudget()))
+
+    def chunk_kv_steps(self, tokens: tuple[int, ...], budget: StepBudget) -> Pausable[ChunkKV]:
+        """`compute_chunk_kv` in pieces: it pauses where `budget` is spent (engine/background.py
+        refills it after each engine step)."""
         boundary = self.chunk_prefix
         plan = PrefillPlan(
             token_ids=boundary + tuple(tokens),
@@ -172,7 +177,7 @@ class Prefiller:
             check_layers=(),
             keep_pre_rope_keys=True,
         )
-        out = run_prefill(self.ops, plan)
+        out = yield from prefill_steps(self.ops, plan, None, None, None, budget)
         assert out.pre_rope_keys is not None
         start = len(boundary)
         return ChunkKV(

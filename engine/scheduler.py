@@ -8,7 +8,8 @@ one that needs more pauses and goes on in the next step. Waiting sequences are t
 first come first served, while the step has tokens left, the KV pool's free blocks hold their
 prompt plus max_tokens (less the blocks of a registered prompt prefix they share) and fewer
 than max_num_seqs run, and prefill in the same step. With nothing decoding a step's prefills run
-whole.
+whole. Background work (chunk precompute, write-back) gets what the step leaves, at least
+MIN_PREFILL_TOKENS.
 Plain Python: tensors live in the runner.
 """
 
@@ -55,6 +56,9 @@ class Step(Generic[S]):
     prefill_tokens: list[float] = field(default_factory=list)
     max_num_batched_tokens: int | None = None
     num_waiting: int = 0  # requests still queued, not admitted, as the step was scheduled
+    # What the step leaves background work: the budget less its decodes and prefill tokens (a
+    # prefill run whole counts what it needs), at least MIN_PREFILL_TOKENS; math.inf: no budget.
+    background_tokens: float = math.inf
 
     @property
     def sequences(self) -> list[S]:
@@ -209,7 +213,15 @@ class Scheduler(Generic[S]):
             shares,
             self.max_num_batched_tokens,
             len(self.waiting),
+            self._background_tokens(shares),
         )
+
+    def _background_tokens(self, shares: list[float]) -> float:
+        if self.max_num_batched_tokens is None:
+            return math.inf
+        needs = [_prefill_need(seq) for seq in self.prefilling]
+        spent = len(self.decoding) + sum(map(min, shares, needs))
+        return max(MIN_PREFILL_TOKENS, self.max_num_batched_tokens - spent)
 
     def _promote_prefilled(self) -> None:
         """Sequences whose prompt is cached decode from now on, their prompt prefixes shared."""

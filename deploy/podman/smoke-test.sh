@@ -67,7 +67,10 @@ podman build -q --format docker --build-arg BASE_IMAGE="$base" --build-arg PIP_N
 # Disk stays bounded over reruns: the replaced image and the untagged build stages go.
 current=$(podman image inspect --format '{{.Id}}' ragblend:latest)
 [ -z "$previous" ] || [ "$previous" = "$current" ] || podman rmi "$previous" >/dev/null 2>&1 || true
-podman image prune -f --filter label=ai.ragblend.stage=build >/dev/null
+# A build killed midway leaves working containers that hold its stages: pruning is then put
+# off to a later run, not a failure of this one.
+podman image prune -f --filter label=ai.ragblend.stage=build >/dev/null \
+    || echo "test-deploy: build stages still in use, not pruned" >&2
 
 log "the tiny test model in the models volume"
 rm -rf "$work/tiny" && "$python" -c "

@@ -77,6 +77,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         auto_max_ratio=settings.auto_max_ratio,
         system_prompt=settings.system_prompt,
         max_waiting=settings.queue_depth,
+        max_background_chunks=settings.max_background_chunks,
         max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len,
         kv_pool_bytes=None if settings.kv_pool_gb is None else int(settings.kv_pool_gb * GIB),

@@ -276,6 +276,18 @@ class _LiveState:
             "ragblend_engine_background_tasks_waiting", "Precompute and write-back tasks waiting"
         )
         background.add_metric([], engine.worker.waiting_background)
+        queue = engine.worker.background
+        pieces = CounterMetricFamily(
+            "ragblend_engine_background_pieces",
+            "Pieces of background work run (under load one after each step, within what the "
+            "step left)",
+        )
+        pieces.add_metric([], queue.pieces)
+        dropped = CounterMetricFamily(
+            "ragblend_engine_background_dropped",
+            "KV write-backs dropped because the background queue was full",
+        )
+        dropped.add_metric([], queue.dropped)
         blocks, use = engine.scheduler.blocks, engine.kv_pool_use()
         # Idle shared prefixes are not counted: admission gives their blocks back on demand, so
         # a pool they fill still admits.
@@ -330,7 +342,8 @@ class _LiveState:
             "Expected wait before a request arriving now starts its prefill",
         )
         queue_estimate.add_metric([], engine.queue_estimate_s())
-        yield from (running, waiting, background, pool_usage, pool_blocks, shared_blocks)
+        yield from (running, waiting, background, pieces, dropped)
+        yield from (pool_usage, pool_blocks, shared_blocks)
         yield from (entries, size, corrupt)
         yield from (write_failures, queue_estimate)
 

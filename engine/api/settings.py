@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from common.auth import check_exposure
 from common.contract import (
     MAX_ADDITIVE_PENALTY,
+    MAX_PRECOMPUTE_CHUNKS,
     MAX_REPETITION_PENALTY,
     MAX_TOKENS_LIMIT,
     RecomputeRatio,
@@ -89,6 +90,12 @@ class EngineSettings(BaseSettings):
         16,
         ge=0,
         description="requests that may wait beyond those the free KV blocks admit; then 429",
+    )
+    max_background_chunks: int = Field(
+        MAX_PRECOMPUTE_CHUNKS,
+        ge=1,
+        le=1_000_000,
+        description="chunk computations (precompute, KV write-back) that may wait; then 429",
     )
     max_num_seqs: int = Field(
         16, ge=1, le=4096, description="sequences decoded together in one batch"

@@ -22,6 +22,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MAX_TEXT_CHARS = 5_000_000
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MODEL_LEN = 1024
+MAX_BACKGROUND_CHUNKS = 3
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,8 @@ def service(checkpoint_dir, tmp_path_factory):
             str(MAX_TEXT_CHARS),
             "--max-body-bytes",
             str(MAX_BODY_BYTES),
+            "--max-background-chunks",
+            str(MAX_BACKGROUND_CHUNKS),
         ],
         tmp / "engine.log",
         env={"RAGBLEND_ENGINE_INTERNAL_TOKEN": TOKEN},
@@ -114,6 +117,22 @@ def test_a_chunk_longer_than_the_positions_is_refused_before_any_compute(service
         assert detail.startswith("chunk 'huge' has ") and "tokens" in detail
         assert time.monotonic() - started < 5
         assert c.get("/health").json()["store"]["memory"]["entries"] == before
+
+
+def test_a_precompute_the_background_queue_cannot_hold_gets_429_and_queues_nothing(service):
+    chunks = [{"id": f"c{i}", "text": words(20, 100 + i)} for i in range(MAX_BACKGROUND_CHUNKS + 1)]
+    with client(service) as c:
+        before = c.get("/health").json()["store"]["memory"]["entries"]
+        reply = c.post("/v1/precompute", json={"chunks": chunks})
+        assert reply.status_code == 429 and reply.headers["Retry-After"]
+        assert reply.json()["detail"] == (
+            f"engine busy: the engine's background queue is full: 0 of {MAX_BACKGROUND_CHUNKS} "
+            f"chunk computations wait, {MAX_BACKGROUND_CHUNKS + 1} more asked"
+        )
+        assert c.get("/health").json()["store"]["memory"]["entries"] == before
+        # What fits goes through.
+        reply = c.post("/v1/precompute", json={"chunks": chunks[:MAX_BACKGROUND_CHUNKS]})
+        assert reply.status_code == 200 and reply.json()["stored"] == MAX_BACKGROUND_CHUNKS
 
 
 @pytest.mark.parametrize(
@@ -269,7 +288,7 @@ def test_openapi_declares_every_status_a_route_returns(service):
     generate = set(paths["/v1/generate"]["post"]["responses"])
     assert {"200", "400", "401", "403", "413", "415", "422", "429", "499", "500", "503"} <= generate
     precompute = set(paths["/v1/precompute"]["post"]["responses"])
-    assert {"200", "400", "401", "403", "413", "415", "422", "500", "503"} <= precompute
+    assert {"200", "400", "401", "403", "413", "415", "422", "429", "500", "503"} <= precompute
     assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
 
 

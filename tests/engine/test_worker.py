@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from engine import worker as worker_module
 from engine.worker import Worker
 
 
@@ -18,36 +17,49 @@ class Steps:
         self.log = log
         self.pending = 0
 
-    def step(self) -> None:
+    def step(self) -> float:
         self.pending -= 1
         self.log.append("step")
         time.sleep(0.005)
+        return 16.0
 
 
-def test_background_work_waits_for_steps_then_runs_when_idle():
+def test_a_background_callable_runs_whole_after_the_next_step():
     log: list[str] = []
     steps = Steps(log)
-    steps.pending = 5
+    steps.pending = 5  # set before the worker starts: its first turn is a step
     worker = Worker(steps.step, lambda: steps.pending > 0)
     worker.submit(lambda: log.append("background")).result(timeout=5)
+    while steps.pending > 0:
+        time.sleep(0.001)
     worker.close()
-    assert log[-1] == "background" and log.count("step") == 5
+    assert log == ["step", "background"] + ["step"] * 4
 
 
-def test_background_work_that_waited_too_long_runs_between_steps(monkeypatch):
-    monkeypatch.setattr(worker_module, "BACKGROUND_MAX_WAIT_S", 0.02)
+def test_under_load_the_head_background_task_runs_one_piece_after_each_step():
     log: list[str] = []
     steps = Steps(log)
     steps.pending = 1000
     worker = Worker(steps.step, lambda: steps.pending > 0)
-    worker.submit(lambda: log.append("background")).result(timeout=5)
+
+    def three_pieces(budget):
+        for piece in range(3):
+            log.append(f"piece {piece}")
+            if piece < 2:
+                budget.spend(budget.left)  # this piece spent what the step left it
+                yield None
+
+    future = worker.background.submit_all([three_pieces])[0]
+    future.result(timeout=5)
     assert steps.pending > 0  # it ran while steps were still due
     steps.pending = 0
     worker.close()
+    first = log.index("piece 0")
+    assert log[first - 1 : first + 5] == ["step", "piece 0", "step", "piece 1", "step", "piece 2"]
 
 
 def test_an_exception_reaches_the_caller_and_the_thread_goes_on():
-    worker = Worker(lambda: None, lambda: False)
+    worker = Worker(lambda: 0.0, lambda: False)
 
     def fail():
         raise RuntimeError("boom")
@@ -62,9 +74,10 @@ def test_wake_starts_a_step_at_once():
     started = threading.Event()
     work = [False]
 
-    def step():
+    def step() -> float:
         work[0] = False
         started.set()
+        return 16.0
 
     worker = Worker(step, lambda: work[0])
     time.sleep(0.05)  # the worker is idle and waiting
@@ -120,4 +133,4 @@ def test_idle_work_gets_one_turn_after_every_n_steps_under_load():
 
 def test_a_negative_idle_share_is_refused():
     with pytest.raises(ValueError, match="idle_every_steps"):
-        Worker(lambda: None, lambda: False, idle_every_steps=-1)
+        Worker(lambda: 0.0, lambda: False, idle_every_steps=-1)
