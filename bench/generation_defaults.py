@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from paths import results_dir, shown
 
-from engine.blocks import BlockManager
 from engine.engine import Engine
+from engine.sched.blocks import BlockManager
 from engine.types import Chunk, GenerateRequest, Mode, Penalties
 
 ROOT = Path(__file__).parent.parent

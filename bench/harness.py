@@ -17,9 +17,9 @@ from paths import results_dir, shown
 from transformers import AutoModelForCausalLM
 
 from demo.tiny import build_tokenizer, model_config
+from engine.blend.layout import PromptLayout
 from engine.engine import Engine
-from engine.model import LoadedModel, load_model, model_fingerprint, parse_dtype
-from engine.prompt import PromptLayout
+from engine.model.load import LoadedModel, load_model, model_fingerprint, parse_dtype
 from kvstore.store import KVStore, KVStoreConfig
 from ragblend.model import bundled_model_dtype
 

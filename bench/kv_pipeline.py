@@ -31,7 +31,7 @@ from harness import (  # noqa: E402
 )
 from paths import plots_dir, results_dir, shown  # noqa: E402
 
-from engine.prefill import Prefill  # noqa: E402
+from engine.blend.prefill import Prefill  # noqa: E402
 from engine.types import Mode  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers import LayerOps
+from engine.model.layers import LayerOps
 
 # LayerOps method -> the part of the layer loop it is.
 PARTS = {

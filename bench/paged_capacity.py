@@ -36,12 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the reference
 from harness import SHAPES, build_model, default_dtype, interleaved_medians  # noqa: E402
 from paths import results_dir, shown  # noqa: E402
 
-from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager  # noqa: E402
-from engine.layers import LayerOps  # noqa: E402
-from engine.paged_attention import MAX_VIEW_RUNS  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from engine.model.layers import LayerOps  # noqa: E402
+from engine.model.paged_attention import MAX_VIEW_RUNS  # noqa: E402
+from engine.runner.model_runner import ModelRunner  # noqa: E402
+from engine.sched.blocks import BlockManager
+from engine.sched.scheduler import Scheduler  # noqa: E402
+from engine.sched.sequence import Sequence  # noqa: E402
+from engine.types import DEFAULT_BLOCK_SIZE  # noqa: E402
 from kvstore.types import kv_token_bytes  # noqa: E402
 from tests.engine.slot_reference import SlotPool  # noqa: E402
 

@@ -39,11 +39,11 @@ from harness import (  # noqa: E402
     write_rows,
 )
 
-from engine.budget import StepBudget  # noqa: E402
-from engine.dense import advance_together, run_to_end, side_by_side  # noqa: E402
+from engine.blend.budget import StepBudget  # noqa: E402
+from engine.blend.dense import advance_together, run_to_end, side_by_side  # noqa: E402
+from engine.blend.layout import PromptLayout  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.options import prefill_batch_default  # noqa: E402
-from engine.prompt import PromptLayout  # noqa: E402
 from engine.types import GenerateRequest, Mode  # noqa: E402
 
 

@@ -35,10 +35,10 @@ from harness import (  # noqa: E402
     write_rows,
 )
 
-from engine.budget import StepBudget  # noqa: E402
-from engine.dense import advance  # noqa: E402
+from engine.blend.budget import StepBudget  # noqa: E402
+from engine.blend.dense import advance  # noqa: E402
+from engine.blend.layout import PromptLayout  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.prompt import PromptLayout  # noqa: E402
 from engine.types import Mode  # noqa: E402
 
 

@@ -68,8 +68,8 @@ from demo.evaluate import (  # noqa: E402
     exact_match,
     f1_score,
 )
+from engine.blend.selection import Selection  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.selection import Selection  # noqa: E402
 from engine.types import GenerateRequest, Mode  # noqa: E402
 from evaluation.deviation import kv_deviation  # noqa: E402
 from kvstore import codec, tiers  # noqa: E402

@@ -42,9 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.paths import plots_dir, results_dir, shown  # noqa: E402
+from engine.blend.selection import Selection  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.oracle import Oracle  # noqa: E402
-from engine.selection import Selection  # noqa: E402
+from engine.quality.oracle import Oracle  # noqa: E402
 from engine.types import AUTO_RATIO, Mode  # noqa: E402
 from evaluation.compare import Case, PromptResult, Variant, compare_prompts  # noqa: E402
 from evaluation.real_text import build_prompts  # noqa: E402

@@ -12,10 +12,11 @@ import random
 import torch
 from harness import median_seconds
 
-from engine.blocks import DEFAULT_BLOCK_SIZE, BlockManager
 from engine.engine import Engine
-from engine.layers import LayerOps
-from engine.runner import pool_bytes
+from engine.model.layers import LayerOps
+from engine.runner.model_runner import pool_bytes
+from engine.sched.blocks import BlockManager
+from engine.types import DEFAULT_BLOCK_SIZE
 
 
 def _decode_engine(loaded, store, num_seqs: int, model_len: int) -> Engine:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from serving_workload import Workload, request_for
 
+from engine.blend.layout import PromptLayout
 from engine.engine import Engine
 from engine.errors import QueueFullError
-from engine.prompt import PromptLayout
 from engine.types import GenerateRequest, GenerateResult, LayerTimes, Mode, StepRecord, TokenDelta
 
 # Added to the drain cap: a healthy engine answers within it even on a busy shared CPU.

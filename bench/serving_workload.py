@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from harness import store_chunks, token_sampler
 
+from engine.blend.layout import PromptLayout
 from engine.engine import Engine
-from engine.prompt import PromptLayout
 from engine.types import GenerateRequest, Mode
 
 MODES = (Mode.FULL_PREFILL, Mode.CACHEBLEND)

@@ -106,7 +106,7 @@ CASES = (
         (f"{MODEL} --chunks 2 --chunk-tokens 64 --budgets 64 --rounds 1",),
     ),
     Case(
-        "decode_ride",
+        "decode_fused",
         (f"{MODEL} --chunks 2 --chunk-tokens 64 --decodes 2 --budget 64 --context 64 --rounds 1",),
     ),
     Case(

@@ -38,8 +38,8 @@ from harness import (  # noqa: E402
     write_rows,
 )
 
+from engine.blend.layout import PromptLayout  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.prompt import PromptLayout  # noqa: E402
 from engine.types import GenerateRequest, Mode, TokenDelta  # noqa: E402
 
 

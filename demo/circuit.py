@@ -23,7 +23,7 @@ from demo.corpus import (
     REFERENT_OFFSET,
     SUBJECT_OFFSET,
 )
-from engine.prompt import PromptBuilder
+from engine.blend.layout import PromptBuilder
 
 # Copies made by layer 0, with how far back each looks. "mark" keeps only whether the token just
 # before is " is", which precedes every fact's value (and, in a question, "the").

@@ -29,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from demo.circuit import Circuit, install
 from demo.corpus import KINDS, CorpusGenerator, Example, Question
-from engine.prompt import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
+from engine.blend.layout import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilder
 
 log = logging.getLogger("demo.train")
 

@@ -9,13 +9,13 @@ import functools
 from collections.abc import Iterable
 from concurrent.futures import Future
 
-from engine.budget import StepBudget
-from engine.dense import Pausable
+from engine.blend.budget import StepBudget
+from engine.blend.dense import Pausable
+from engine.blend.layout import PromptBuilder
+from engine.blend.prefill import Prefiller
 from engine.errors import ChunkTooLongError
-from engine.prefill import Prefiller
-from engine.prompt import PromptBuilder
+from engine.sched.worker import Worker
 from engine.types import Chunk, ChunkWrite, PrecomputeResult
-from engine.worker import Worker
 from kvstore.store import KVStore
 
 # A chunk's outcome: a skip known at once, or its compute queued.

@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine.api.main import create_app
     from engine.errors import ModelNotFoundError, ModelNotSupportedError
-    from engine.model import resolve_checkpoint
+    from engine.model.load import resolve_checkpoint
 
     settings = settings_from_args(EngineSettings, args, "engine")
     # A GGUF is converted (or found converted) before the server starts, so that a damaged

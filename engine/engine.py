@@ -10,27 +10,30 @@ from typing import Any
 
 import torch
 
-from engine.background import BackgroundQueue
-from engine.blocks import BlockManager
-from engine.calibrate import step_token_budget
+from engine.blend.check import default_selection
+from engine.blend.controller import Controller
+from engine.blend.layout import PromptBuilder, PromptLayout, fitting, request_layout
+from engine.blend.prefill import Prefill, Prefiller
+from engine.blend.prefix_cache import PrefixCache
 from engine.chunks import ChunkPrecompute
-from engine.decode import eos_token_ids
 from engine.errors import GenerationCancelled
-from engine.estimate import QueueEstimate, seated_remaining
-from engine.executor import Executor
-from engine.job import Event, Job, new_job
-from engine.layers import LayerOps
-from engine.model import LoadedModel, load_model
+from engine.model.eos import eos_token_ids
+from engine.model.layers import LayerOps
+from engine.model.load import LoadedModel, load_model
 from engine.options import EngineOptions, prefill_batch_default
-from engine.postprocess import Postprocessor
-from engine.prefill import Prefill, Prefiller
-from engine.prompt import PromptBuilder, PromptLayout, fitting, request_layout
-from engine.runner import ModelRunner
-from engine.scheduler import PoolUse, Scheduler
-from engine.shadow import Shadow
+from engine.quality.shadow import Shadow
+from engine.runner.model_runner import ModelRunner
+from engine.sched.background import BackgroundQueue
+from engine.sched.blocks import BlockManager
+from engine.sched.calibrate import step_token_budget
+from engine.sched.estimate import QueueEstimate, seated_remaining
+from engine.sched.executor import Executor
+from engine.sched.job import Event, Job, new_job
+from engine.sched.postprocess import Postprocessor
+from engine.sched.scheduler import PoolUse, Scheduler
+from engine.sched.worker import Worker
 from engine.streaming import Generation
 from engine.types import Chunk, GenerateRequest, GenerateResult, PrecomputeResult, StepRecord
-from engine.worker import Worker
 from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore, KVStoreConfig
 
@@ -45,9 +48,7 @@ class Engine:
         self.ops = LayerOps(self.model)
         system = {"default_system": opts.system_prompt} if opts.system_prompt else {}
         self.prompts = PromptBuilder(self.tokenizer, **system)
-        self.prefiller = Prefiller.from_options(
-            self.ops, store, loaded.fingerprint, self.prompts.chunk_prefix, opts
-        )
+        self.prefiller = _prefiller(self.ops, store, loaded.fingerprint, self.prompts, opts)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.estimate = QueueEstimate()
         self.runner = ModelRunner.sized(
@@ -86,7 +87,13 @@ class Engine:
         if batch is None:
             batch = prefill_batch_default(device)
         self.executor = Executor(
-            self.prefiller, self.runner, self.shadow, self.chunks, post, self.estimate, batch
+            self.prefiller,
+            self.runner,
+            self.shadow,
+            self.chunks.write_back,
+            post,
+            self.estimate,
+            batch,
         )
 
     @classmethod
@@ -267,3 +274,24 @@ class Engine:
         self.worker.close()
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             self.executor.abandon(seq)
+
+
+def _prefiller(
+    ops: LayerOps, store: KVStore, fingerprint: str, prompts: PromptBuilder, opts: EngineOptions
+) -> Prefiller:
+    """The prefiller of `opts`: its check layers, selection, ratio, controller, prefix cache."""
+    check_layers = opts.check_layers_of(ops.shape.num_layers)
+    return Prefiller(
+        ops,
+        store,
+        fingerprint,
+        prompts.chunk_prefix,
+        check_layers,
+        Controller(opts.min_recompute_ratio, min_leading_layers=check_layers[0]),
+        opts.recompute_ratio,
+        PrefixCache(opts.prefix_cache_entries, store, fingerprint),
+        opts.kv_read_delay_s,
+        opts.selection or default_selection(check_layers),
+        opts.auto_coverage,
+        opts.auto_max_ratio,
+    )

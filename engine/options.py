@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.contract import MAX_PRECOMPUTE_CHUNKS
-from engine.selection import Selection
-from engine.shadow import ShadowConfig
+from engine.blend.check import default_check_layers
+from engine.blend.selection import Selection
+from engine.quality.shadow import ShadowConfig
 from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, DecodeAttention, Penalties
 
 
@@ -72,18 +73,3 @@ def prefill_batch_default(device_type: str) -> int:
     prompt's forward already keeps the cores busy, and the batch only delays the first ones'
     tokens; bench/prefill_batch.py). 16384 on a GPU, where a short prompt leaves it idle."""
     return 2048 if device_type == "cpu" else 16384
-
-
-def default_selection(check_layers: tuple[int, ...]) -> Selection:
-    """`query_hkvd` when the last check layer is deeper than the first (it reads the question's
-    attention there), else `hkvd`: at one early layer attention is mostly positional, and
-    picking by it did worse than HKVD alone (docs/quality.md, "Token selection")."""
-    return Selection.QUERY_HKVD if max(check_layers) > min(check_layers) else Selection.HKVD
-
-
-def default_check_layers(num_layers: int) -> tuple[int, ...]:
-    """Layer 1, then a quarter of the depth: the first check narrows by KV deviation, the last
-    reads the question's attention where it is telling (docs/quality.md, "Token selection":
-    layers 1 and 7 of SmolLM2's 30). Below 8 layers, layer 1 alone (layer 0 on one layer)."""
-    deep = num_layers // 4
-    return (1, deep) if deep > 1 else (min(1, num_layers - 1),)

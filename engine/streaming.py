@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from engine.job import Event
+from engine.sched.job import Event
 from engine.types import GenerateResult, TokenDelta
 
 

@@ -23,6 +23,9 @@ from engine.errors import InvalidRequestError
 
 _E = TypeVar("_E", bound=StrEnum)
 
+# Positions per KV block of the paged pool (the runner's tensors, the scheduler's counts).
+DEFAULT_BLOCK_SIZE = 16
+
 
 def _is_ratio(value: object) -> bool:
     return (
@@ -182,7 +185,7 @@ class Timings:
 class StepRecord:
     """One engine step, for metrics: its decode batch and its prefill work, each timed.
     `prefill_tokens`: the prompt tokens of the prefills that completed in the step. A decode
-    that rode in the prefills' forward has decode_s 0, its time in prefill_s."""
+    that was fused into the prefills' forward has decode_s 0, its time in prefill_s."""
 
     num_decodes: int
     decode_s: float

@@ -10,11 +10,11 @@ from typing import Literal
 
 import torch
 
-from engine.agreement import AnswerDeviation, answer_deviation
+from engine.blend.prefill import Prefill
+from engine.blend.selection import Selection
 from engine.engine import Engine
-from engine.oracle import Oracle, OracleScores, oracle_scores
-from engine.prefill import Prefill
-from engine.selection import Selection
+from engine.quality.agreement import AnswerDeviation, answer_deviation
+from engine.quality.oracle import Oracle, OracleScores, oracle_scores
 from engine.types import Chunk, GenerateRequest, Mode
 from evaluation.teacher_forcing import ANSWER_TOKENS, answers_logits, greedy_answers
 from kvstore.types import ChunkKV

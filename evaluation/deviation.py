@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.prefill import Prefill
+from engine.blend.prefill import Prefill
 
 
 def kv_deviation(

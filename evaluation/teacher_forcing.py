@@ -9,8 +9,8 @@ from collections.abc import Collection, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.agreement import AnswerDeviation, answer_deviation
-from engine.prefill import Prefill
+from engine.blend.prefill import Prefill
+from engine.quality.agreement import AnswerDeviation, answer_deviation
 
 __all__ = [
     "ANSWER_TOKENS",

@@ -69,7 +69,7 @@ def engine_env_for(env: dict[str, str], bundled: bool) -> dict[str, str]:
 def prepare_model(model: str, cache_dir: Path) -> str:
     """The checkpoint folder the services load: `model` itself, or for a GGUF file its
     safetensors conversion in `cache_dir` (made on the first start, a minute or two)."""
-    from engine.gguf import is_gguf
+    from engine.model.gguf import is_gguf
 
     if not is_gguf(model):
         return model
@@ -81,7 +81,7 @@ def prepare_model(model: str, cache_dir: Path) -> str:
     )
     # A process of its own: the dequantized weights must not stay in the supervisor's memory.
     done = subprocess.run(
-        [sys.executable, "-m", "engine.gguf", model, str(cache_dir)],
+        [sys.executable, "-m", "engine.model.gguf", model, str(cache_dir)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -36,8 +36,8 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 step engine-ttft 60 $PY bench/engine_ttft.py --device cuda --profile --ratios 0.15 0.54
 step served-ttft 90 $PY bench/served_ttft.py --device cuda --repeats 3
-step tests 120 $PY -m pytest -q -p no:cacheprovider tests/kvstore -k cuda tests/engine/test_decode_step.py \
-    tests/engine/test_prompt_kv.py
+step tests 120 $PY -m pytest -q -p no:cacheprovider tests/kvstore -k cuda tests/engine/runner/test_decode_step.py \
+    tests/engine/blend/test_prompt_kv.py
 step decode-flex 180 $PY bench/serving.py --device cuda --parts decode steps \
     --decode-attention batched flex --cuda-graphs 64 --tag flex
 step ttft-split 120 $PY bench/serving.py --device cuda --parts serving --schedulers batching \

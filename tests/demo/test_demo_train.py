@@ -11,7 +11,7 @@ import torch
 from demo import MODEL_DIR
 from demo.corpus import CorpusGenerator, is_pronoun_passage
 from demo.train import collate, document, encode, losses, optimizers
-from engine.prompt import PromptBuilder
+from engine.blend.layout import PromptBuilder
 
 
 def _builder_and_model(attention: str = "sdpa"):

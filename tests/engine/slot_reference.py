@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.layers import LayerOps
+from engine.model.layers import LayerOps
 
 
 class SlotPool:

@@ -9,9 +9,9 @@ import struct
 import pytest
 import torch
 
+from engine.blend.plan import ChunkSource
 from engine.engine import Engine
-from engine.model import load_model
-from engine.plan import ChunkSource
+from engine.model.load import load_model
 from engine.types import GenerateRequest, Mode
 from kvstore import format as kvformat
 from kvstore import tiers

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
-from engine.model import load_model
+from engine.model.load import load_model
 from engine.types import GenerateRequest
 from kvstore import tiers
 from kvstore.remote_tier import RemoteTier

@@ -16,7 +16,7 @@ from engine.errors import (
     ModelNotSupportedError,
     PromptTooLongError,
 )
-from engine.model import load_model
+from engine.model.load import load_model
 from engine.types import Chunk, GenerateRequest
 from kvstore import tiers
 

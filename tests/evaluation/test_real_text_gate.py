@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
+from engine.blend.selection import Selection
 from engine.engine import Engine
-from engine.selection import Selection
 from engine.types import Mode
 from evaluation.compare import Case, PromptResult, Variant, compare_prompts
 from evaluation.real_text import build_prompts

@@ -16,9 +16,9 @@ from common.request_id import request_id_var
 from common.sse import sse
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
 from engine.api.schemas import error_responses, response_of, to_request
+from engine.blend.layout import PromptLayout
 from engine.engine import Engine
 from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
-from engine.prompt import PromptLayout
 from engine.streaming import Generation
 from engine.types import GenerateRequest, GenerateResult, Mode
 from kvstore.loader import KVLayerStream
