@@ -39,6 +39,7 @@ from harness import (  # noqa: E402
 from engine.blend.budget import StepBudget  # noqa: E402
 from engine.blend.dense import advance, advance_together  # noqa: E402
 from engine.blend.layout import PromptLayout  # noqa: E402
+from engine.blend.prefill import PrefillAsk  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sched.blocks import BlockManager  # noqa: E402
 from engine.types import Mode  # noqa: E402
@@ -84,17 +85,7 @@ def prefill_in_steps(
     """Each step's seconds: a piece of the prefill and one decode of `decode`'s rows."""
     budget = StepBudget()
     ratio = 0.15 if mode is Mode.CACHEBLEND else None
-    steps = engine.prefiller.prefill_steps(
-        layout,
-        mode,
-        ratio,
-        None,
-        None,
-        selection=None,
-        max_recompute_ratio=None,
-        token_scores=None,
-        budget=budget,
-    )
+    steps = engine.prefiller.prefill(layout, PrefillAsk(mode, ratio), budget)
     times, done = [], False
 
     def failed(index: int, exc: Exception) -> None:

@@ -30,6 +30,8 @@ from harness import (
 from layer_profile import PARTS, LayerProfile
 from paths import results_dir, shown
 
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.types import Mode
 
 
@@ -67,7 +69,7 @@ def main() -> None:
     def ttft(mode, ratio, tier, bench_engine):
         def run():
             start = time.perf_counter()
-            prefill = bench_engine.prefiller.prefill(layout, mode, ratio)
+            prefill = run_to_end(bench_engine.prefiller.prefill(layout, PrefillAsk(mode, ratio)))
             int(prefill.output.logits.argmax())  # the first token
             if profile is not None:
                 parts[mode, ratio, tier].append(profile.take(time.perf_counter() - start))

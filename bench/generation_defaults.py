@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from paths import results_dir, shown
 
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.sched.blocks import BlockManager
 from engine.types import Chunk, GenerateRequest, Mode, Penalties
@@ -194,7 +196,7 @@ def answers(engine: Engine, question: Question, max_tokens: int) -> list[list[in
         GenerateRequest(question=question.text, chunks=passages(question), max_tokens=max_tokens)
     )
     n = layout.num_tokens
-    prefill = engine.prefiller.prefill(layout, Mode.FULL_PREFILL)
+    prefill = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.FULL_PREFILL)))
     pool = BlockManager(runner.num_blocks, runner.block_size)
     tables = [pool.allocate(lane, n + max_tokens) for lane in range(len(SETTINGS))]
     for table in tables:  # one prompt, its KV in every setting's blocks

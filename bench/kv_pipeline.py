@@ -31,7 +31,11 @@ from harness import (  # noqa: E402
 )
 from paths import plots_dir, results_dir, shown  # noqa: E402
 
-from engine.blend.prefill import Prefill  # noqa: E402
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import (
+    Prefill,  # noqa: E402
+    PrefillAsk,
+)
 from engine.types import Mode  # noqa: E402
 
 
@@ -75,7 +79,7 @@ def main() -> None:
 
     def ttft(engine, mode, ratio):
         def run():
-            prefill = engine.prefiller.prefill(layout, mode, ratio)
+            prefill = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(mode, ratio)))
             int(prefill.output.logits.argmax())
             return prefill
 

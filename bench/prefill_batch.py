@@ -42,6 +42,7 @@ from harness import (  # noqa: E402
 from engine.blend.budget import StepBudget  # noqa: E402
 from engine.blend.dense import advance_together, run_to_end, side_by_side  # noqa: E402
 from engine.blend.layout import PromptLayout  # noqa: E402
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine  # noqa: E402
 from engine.options import prefill_batch_default  # noqa: E402
 from engine.types import GenerateRequest, Mode  # noqa: E402
@@ -121,7 +122,7 @@ def measure(engine: Engine, mode: Mode, layouts: list[PromptLayout], args) -> Ro
     def sequential() -> None:
         start, ends["sequential"] = time.perf_counter(), []
         for layout in layouts:
-            run_to_end(prefiller.request_steps(layout, request, StepBudget()))
+            run_to_end(prefiller.prefill(layout, PrefillAsk.of(request), StepBudget()))
             synchronize(device)
             ends["sequential"].append(time.perf_counter() - start)
 
@@ -129,7 +130,9 @@ def measure(engine: Engine, mode: Mode, layouts: list[PromptLayout], args) -> Ro
         start, ends[name] = time.perf_counter(), []
         for group in groups:
             budget = StepBudget()
-            pausables = [prefiller.request_steps(layouts[i], request, budget) for i in group]
+            pausables = [
+                prefiller.prefill(layouts[i], PrefillAsk.of(request), budget) for i in group
+            ]
             with torch.inference_mode():
                 advance_together(pausables, lambda index, prefill: None, failed)
             synchronize(device)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from harness import build_model, random_layout, store_chunks, write_rows
 from op_count import OpCount, counting
 
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.types import GenerateRequest, Mode
 from kvstore.store import KVStore, KVStoreConfig
@@ -105,6 +107,11 @@ def first_token(mode: Mode, ratio: float | None) -> GenerateRequest:
     return GenerateRequest(question="?", mode=mode, recompute_ratio=ratio, max_tokens=1)
 
 
+def prefill_whole(engine: Engine, layout, ask: PrefillAsk) -> None:
+    """The prefill called directly, on this thread, driven to its end."""
+    run_to_end(engine.prefiller.prefill(layout, ask))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, nargs="+", default=[4, 16])
@@ -136,7 +143,7 @@ def main() -> None:
             ]
             for (mode, ratio), path in itertools.product(cases, counters):
                 run = (
-                    functools.partial(engine.prefiller.prefill, layout, mode, ratio)
+                    functools.partial(prefill_whole, engine, layout, PrefillAsk(mode, ratio))
                     if path == "direct"
                     else functools.partial(engine.generate, first_token(mode, ratio), layout)
                 )

@@ -38,6 +38,7 @@ from harness import (  # noqa: E402
 from engine.blend.budget import StepBudget  # noqa: E402
 from engine.blend.dense import advance  # noqa: E402
 from engine.blend.layout import PromptLayout  # noqa: E402
+from engine.blend.prefill import PrefillAsk  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
 
@@ -70,16 +71,8 @@ def parse_args() -> argparse.Namespace:
 def prefill_in_steps(engine: Engine, layout: PromptLayout, mode: Mode, tokens: float) -> int:
     """Prefill `layout` in steps of `tokens` x L token-layers; the number of steps."""
     budget = StepBudget()
-    steps = engine.prefiller.prefill_steps(
-        layout,
-        mode,
-        0.15 if mode is Mode.CACHEBLEND else None,
-        None,
-        None,
-        selection=None,
-        max_recompute_ratio=None,
-        token_scores=None,
-        budget=budget,
+    steps = engine.prefiller.prefill(
+        layout, PrefillAsk(mode, 0.15 if mode is Mode.CACHEBLEND else None), budget
     )
     count, done = 0, False
     while not done:

@@ -29,6 +29,8 @@ from harness import (
     write_rows,
 )
 
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.types import GenerateRequest, Mode
 from kvstore.store import KVStore
@@ -76,7 +78,7 @@ def main() -> None:
 
     def direct(mode: Mode, ratio: float | None):
         def run():
-            prefill = engine.prefiller.prefill(layout, mode, ratio)
+            prefill = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(mode, ratio)))
             return int(prefill.output.logits.argmax())  # the first token
 
         return run

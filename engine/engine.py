@@ -12,8 +12,9 @@ import torch
 
 from engine.blend.check import default_selection
 from engine.blend.controller import Controller
+from engine.blend.dense import run_to_end
 from engine.blend.layout import PromptBuilder, PromptLayout, fitting, request_layout
-from engine.blend.prefill import Prefill, Prefiller
+from engine.blend.prefill import Prefill, PrefillAsk, Prefiller
 from engine.blend.prefix_cache import PrefixCache
 from engine.chunks import ChunkPrecompute
 from engine.errors import GenerationCancelled
@@ -171,15 +172,14 @@ class Engine:
     def prefill(self, request: GenerateRequest, scores: tuple[float, ...] | None = None) -> Prefill:
         """Lay out the request's prompt and build its KV cache in fresh tensors (not the pool),
         outside the serving loop (tests, benchmarks; `scores`: an oracle's, engine/oracle.py)."""
-        return self.prefiller.prefill_request(self.layout(request), request, scores)
+        ask = PrefillAsk.of(request, scores)
+        return run_to_end(self.prefiller.prefill(self.layout(request), ask))
 
     def open_kv(self, request: GenerateRequest, layout: PromptLayout) -> KVLayerStream | None:
         """The request's chunk KV streams looked up now, parked until its prefill starts (None:
         its mode reads no chunk KV). The lookups read SSD headers and ask Redis (one pipelined
         round trip): call it where a wait may fall, as `start`'s caller does with `layout`."""
-        return self.prefiller.open_ahead(
-            layout, request.mode, request.recompute_ratio, request.max_recompute_ratio, parked=True
-        )
+        return self.prefiller.open_ahead(layout, PrefillAsk.of(request), parked=True)
 
     def start(
         self,

@@ -13,7 +13,7 @@ import torch
 
 from engine.blend.budget import StepBudget, wait
 from engine.blend.check import check_keeps, check_scores
-from engine.blend.dense import Dense, Pausable, run_to_end
+from engine.blend.dense import Dense, Pausable
 from engine.blend.plan import PrefillPlan
 from engine.blend.prompt_kv import DenseKV, KVOut, PromptKV, device_index
 from engine.blend.selection import Selection, prompt_generator, ratio_schedule
@@ -64,37 +64,25 @@ class PrefillOutput:
         return self.kv.values
 
 
-def run_prefill(
+def layer_loop(
     ops: LayerOps,
     plan: PrefillPlan,
     prefix_kv: ChunkKV | None = None,
     stream: LayerStream | None = None,
     out: KVOut = None,
-) -> PrefillOutput:
-    """Execute `plan` whole and return the KV cache of the whole prompt plus the last logits.
+    budget: StepBudget | None = None,
+) -> Pausable[PrefillOutput]:
+    """Execute `plan`: the KV cache of the whole prompt plus the last logits.
 
     `prefix_kv` is required when `plan.prefix_cached`; `stream` must deliver, per layer, the
     KV of `plan.streamed_chunks` in that order. `out` receives the prompt's KV: a PromptKV
     (the sequence's blocks), or (keys, values) [L, H_kv, T, D]; without it a buffer is
-    allocated.
-    """
-    return run_to_end(prefill_steps(ops, plan, prefix_kv, stream, out, StepBudget()))
-
-
-def prefill_steps(
-    ops: LayerOps,
-    plan: PrefillPlan,
-    prefix_kv: ChunkKV | None,
-    stream: LayerStream | None,
-    out: KVOut,
-    budget: StepBudget,
-) -> Pausable[PrefillOutput]:
-    """`run_prefill` in pieces: a layer's rows are computed in pieces while `budget` lasts, and
-    the loop pauses (yields) between pieces when it is spent. A check layer projects its rows
+    allocated. A layer's rows are computed in pieces while `budget` lasts (None: no bound),
+    and the loop pauses (yields) between pieces when it is spent. A check layer projects its rows
     in pieces too, then checks every candidate at once, then attends in pieces.
     Pieces give the same result as the whole layer: each row's attention reads the keys of
     the rows before it, which earlier pieces (or the cache) wrote. Drive it with
-    engine.budget's `advance` or `run_to_end` (they run each resumption in inference mode).
+    engine.blend.dense's `advance` or `run_to_end` (they run each resumption in inference mode).
 
     Per layer the loop runs a fixed number of batched operations, whatever the number of
     chunks: the streamed chunks' KV is one tensor pair (LayerKV), rotated to its positions in
@@ -103,6 +91,8 @@ def prefill_steps(
     assert prefix_kv is None or prefix_kv.rotated, (
         "a prefix's keys are used where they were rotated"
     )
+    if budget is None:
+        budget = StepBudget()
     device, shape = ops.device, ops.shape
     num_tokens, num_layers = plan.num_tokens, shape.num_layers
     cos, sin = ops.rope_tables(num_tokens)

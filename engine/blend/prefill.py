@@ -11,7 +11,7 @@ from engine.blend.budget import StepBudget
 from engine.blend.controller import Controller
 from engine.blend.dense import Pausable, run_to_end
 from engine.blend.layout import PromptLayout
-from engine.blend.loop import PrefillOutput, prefill_steps
+from engine.blend.loop import PrefillOutput, layer_loop
 from engine.blend.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.blend.prefix_cache import PrefixCache
 from engine.blend.prompt_kv import KVOut
@@ -29,13 +29,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _BlendAsk:
-    """What a prefill's caller asks of the blend, defaults filled in but the selection's."""
+class PrefillAsk:
+    """What a prefill is asked: its mode, and of a blend its recompute ratio (None: the
+    engine's, or the controller's choice when the engine has none; "auto": the check layer
+    chooses, at most `max_recompute_ratio`) and selection (None: the engine's); `token_scores`
+    (research: an oracle's, one per blended token) rank the tokens instead."""
 
-    ratio: float | str | None
-    selection: Selection
-    max_ratio: float | None
-    token_scores: tuple[float, ...] | None
+    mode: Mode = Mode.CACHEBLEND
+    recompute_ratio: float | str | None = None
+    selection: Selection | None = None
+    max_recompute_ratio: float | None = None
+    token_scores: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(
+        cls, request: GenerateRequest, token_scores: tuple[float, ...] | None = None
+    ) -> PrefillAsk:
+        """What `request` asks of its prefill."""
+        return cls(
+            request.mode,
+            request.recompute_ratio,
+            request.selection,
+            request.max_recompute_ratio,
+            token_scores,
+        )
 
 
 @dataclass
@@ -151,7 +168,7 @@ class Prefiller:
             check_layers=(),
             keep_pre_rope_keys=True,
         )
-        out = yield from prefill_steps(self.ops, plan, None, None, None, budget)
+        out = yield from layer_loop(self.ops, plan, None, None, None, budget)
         assert out.pre_rope_keys is not None
         start = len(boundary)
         return ChunkKV(
@@ -159,93 +176,26 @@ class Prefiller:
             values=out.values[:, :, start:].to("cpu").contiguous(),
         )
 
-    def prefill_request(
-        self,
-        layout: PromptLayout,
-        request: GenerateRequest,
-        token_scores: tuple[float, ...] | None = None,
-        out: KVOut = None,
-        opened: KVLayerStream | None = None,
-    ) -> Prefill:
-        """`prefill` with what `request` asks of the blend, whole."""
-        steps = self.request_steps(layout, request, StepBudget(), token_scores, out, opened)
-        return run_to_end(steps)
-
-    def request_steps(
-        self,
-        layout: PromptLayout,
-        request: GenerateRequest,
-        budget: StepBudget,
-        token_scores: tuple[float, ...] | None = None,
-        out: KVOut = None,
-        opened: KVLayerStream | None = None,
-    ) -> Pausable[Prefill]:
-        """`prefill_request` in pieces under a step's `budget` (engine/budget.py)."""
-        return self.prefill_steps(
-            layout,
-            request.mode,
-            request.recompute_ratio,
-            out,
-            opened,
-            selection=request.selection,
-            max_recompute_ratio=request.max_recompute_ratio,
-            token_scores=token_scores,
-            budget=budget,
-        )
-
     def prefill(
         self,
         layout: PromptLayout,
-        mode: Mode,
-        recompute_ratio: float | str | None = None,
+        ask: PrefillAsk = PrefillAsk(),
+        budget: StepBudget | None = None,
         out: KVOut = None,
         opened: KVLayerStream | None = None,
-        *,
-        selection: Selection | None = None,
-        max_recompute_ratio: float | None = None,
-        token_scores: tuple[float, ...] | None = None,
-    ) -> Prefill:
-        """Build the KV cache of a laid-out prompt, into `out` when given.
-
-        `recompute_ratio=None` takes the engine's ratio, or the controller's choice when the
-        engine has none; "auto" lets the check layer choose, at most `max_recompute_ratio`.
-        `selection=None` takes the engine's; `token_scores` (research: an oracle's, one per
-        blended token) rank the tokens instead. A missing chunk is computed in full; a chunk
-        that turns out bad while streaming is dropped and the prefill runs again without it,
-        so a bad entry never fails a request. `opened` is the stream `open_ahead` returned for
-        this prompt (the prefill takes it over and closes it; a retry opens a fresh one).
-        """
-        return run_to_end(
-            self.prefill_steps(
-                layout,
-                mode,
-                recompute_ratio,
-                out,
-                opened,
-                selection=selection,
-                max_recompute_ratio=max_recompute_ratio,
-                token_scores=token_scores,
-                budget=StepBudget(),
-            )
-        )
-
-    def prefill_steps(
-        self,
-        layout: PromptLayout,
-        mode: Mode,
-        recompute_ratio: float | str | None,
-        out: KVOut,
-        opened: KVLayerStream | None,
-        *,
-        selection: Selection | None,
-        max_recompute_ratio: float | None,
-        token_scores: tuple[float, ...] | None,
-        budget: StepBudget,
     ) -> Pausable[Prefill]:
-        """`prefill` in pieces: it pauses whenever the step's `budget` is spent."""
-        blend = _BlendAsk(
-            recompute_ratio, selection or self.selection, max_recompute_ratio, token_scores
-        )
+        """The one prefill: build the KV cache of a laid-out prompt as `ask` says, into `out`
+        when given, pausing whenever the step's `budget` is spent (None: never; drive it whole
+        with engine.blend.dense's `run_to_end`, in pieces with `advance`).
+
+        A missing chunk is computed in full; a chunk that turns out bad while streaming is
+        dropped and the prefill runs again without it, so a bad entry never fails a request.
+        `opened` is the stream `open_ahead` returned for this prompt (the prefill takes it over
+        and closes it; a retry opens a fresh one).
+        """
+        if budget is None:
+            budget = StepBudget()
+        mode, recompute_ratio = ask.mode, ask.recompute_ratio
         start = time.perf_counter()
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
         reuse = mode is not Mode.FULL_PREFILL
@@ -253,13 +203,11 @@ class Prefiller:
         excluded: set[str] = set()
         while True:
             if opened is None:
-                first = self.ratios.first_layer(mode, recompute_ratio, max_recompute_ratio)
+                first = self.ratios.first_layer(mode, recompute_ratio, ask.max_recompute_ratio)
                 opened = self._open(mode, keys, excluded, first)
             stream, opened = opened, None
             try:
-                attempt = yield from self._attempt(
-                    layout, mode, blend, prefix_kv, stream, (out, budget)
-                )
+                attempt = yield from self._attempt(layout, ask, prefix_kv, stream, (out, budget))
                 break
             except KVStreamError as exc:
                 log.warning("recomputing after a KV stream error: %s", exc)
@@ -277,8 +225,7 @@ class Prefiller:
     def _attempt(
         self,
         layout: PromptLayout,
-        mode: Mode,
-        blend: _BlendAsk,
+        ask: PrefillAsk,
         prefix_kv: ChunkKV | None,
         stream: KVLayerStream | None,
         into: tuple[KVOut, StepBudget],
@@ -288,8 +235,9 @@ class Prefiller:
         num_chunks = len(layout.chunks)
         present = stream.present if stream is not None else [False] * num_chunks
         tiers: list[str | None] = stream.tiers if stream is not None else [None] * num_chunks
+        mode = ask.mode
         choice = self.ratios.choose(
-            layout, mode, blend.ratio, tiers, prefix_kv is not None, blend.max_ratio
+            layout, mode, ask.recompute_ratio, tiers, prefix_kv is not None, ask.max_recompute_ratio
         )
         if choice.full_prefill:
             return (
@@ -303,17 +251,17 @@ class Prefiller:
                 prefix_kv is not None,
                 choice.recompute_ratio,
                 choice.check_layers,
-                blend.selection,
+                ask.selection or self.selection,
             ),
             coverage=choice.coverage,
             min_ratio=choice.min_ratio,
-            token_scores=blend.token_scores,
+            token_scores=ask.token_scores,
         )
         used = stream if plan.streamed_chunks else None
         if used is not None:
             used.skip_to(plan.first_streamed_layer)
         prefix = prefix_kv if plan.prefix_cached else None
-        output = yield from prefill_steps(self.ops, plan, prefix, used, *into)
+        output = yield from layer_loop(self.ops, plan, prefix, used, *into)
         return _Attempt(choice, plan, output, present, tiers, used=used)
 
     def _fallback(
@@ -338,7 +286,7 @@ class Prefiller:
             choice.check_layers,
         )
         prefix = prefix_kv if plan.prefix_cached else None
-        output = yield from prefill_steps(self.ops, plan, prefix, None, *into)
+        output = yield from layer_loop(self.ops, plan, prefix, None, *into)
         return _Attempt(choice, plan, output, present, tiers, probe=stream)
 
     def _report(self, layout: PromptLayout, mode: Mode, attempt: _Attempt, start: float) -> Prefill:
@@ -375,20 +323,15 @@ class Prefiller:
         )
 
     def open_ahead(
-        self,
-        layout: PromptLayout,
-        mode: Mode,
-        recompute_ratio: float | str | None = None,
-        max_recompute_ratio: float | None = None,
-        parked: bool = False,
+        self, layout: PromptLayout, ask: PrefillAsk, parked: bool = False
     ) -> KVLayerStream | None:
         """The stream `prefill` would open first for this prompt, opened now: its lookups done
         on the calling thread (a request still queued: `parked`, nothing loads until its
         prefill starts it), or its first layers read by the store's one loader while the
         prompts ahead of it in the step compute."""
         keys = [self.chunk_key(tokens) for tokens in layout.chunks]
-        first = self.ratios.first_layer(mode, recompute_ratio, max_recompute_ratio)
-        return self._open(mode, keys, set(), first, parked)
+        first = self.ratios.first_layer(ask.mode, ask.recompute_ratio, ask.max_recompute_ratio)
+        return self._open(ask.mode, keys, set(), first, parked)
 
     def _open(
         self,

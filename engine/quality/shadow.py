@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.blend.loop import run_prefill
+from engine.blend.dense import run_to_end
+from engine.blend.loop import layer_loop
 from engine.blend.plan import PrefillPlan
 from engine.model.layers import LayerOps
 from engine.quality import agreement
@@ -343,8 +344,8 @@ class Shadow:
             if start
             else None
         )
-        out = run_prefill(
-            self.ops, plan, prefix, out=(job.keys[:, :, :end], job.values[:, :, :end])
+        out = run_to_end(
+            layer_loop(self.ops, plan, prefix, out=(job.keys[:, :, :end], job.values[:, :, :end]))
         )
         job.done = end
         return out.logits

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.blend.loop import run_prefill
+from engine.blend.dense import run_to_end
+from engine.blend.loop import layer_loop
 from engine.blend.plan import PrefillPlan
 from engine.model.layers import LayerOps
 from engine.runner.model_runner import ModelRunner
@@ -68,7 +69,7 @@ def _prefill(ops: LayerOps, num_tokens: int) -> None:
         recompute_ratio=1.0,
         check_layers=(),
     )
-    run_prefill(ops, plan)
+    run_to_end(layer_loop(ops, plan))
 
 
 def _decode(runner: ModelRunner, position: int) -> None:

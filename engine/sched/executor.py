@@ -13,7 +13,7 @@ import torch
 
 from engine.blend.budget import StepBudget
 from engine.blend.dense import Pausable, advance_together, side_by_side
-from engine.blend.prefill import Prefill, Prefiller
+from engine.blend.prefill import Prefill, PrefillAsk, Prefiller
 from engine.blend.prompt_kv import PagedKV
 from engine.quality.shadow import Shadow
 from engine.runner.model_runner import ModelRunner
@@ -87,9 +87,7 @@ class Executor:
             if seq.opened is not None:
                 seq.opened.start()  # looked up when the request was queued
             elif len(seqs) > 1:
-                seq.opened = self.prefiller.open_ahead(
-                    seq.layout, request.mode, request.recompute_ratio, request.max_recompute_ratio
-                )
+                seq.opened = self.prefiller.open_ahead(seq.layout, PrefillAsk.of(request))
             # The loop writes the prompt's KV into the sequence's blocks layer by layer (those
             # of a shared prefix excepted): nothing is copied once it completes.
             blocks = PagedKV(
@@ -99,8 +97,8 @@ class Executor:
                 shared=seq.num_shared_tokens,
             )
             seq.budget = StepBudget()
-            seq.prefill_steps = self.prefiller.request_steps(
-                seq.layout, request, seq.budget, out=blocks, opened=seq.opened
+            seq.prefill_steps = self.prefiller.prefill(
+                seq.layout, PrefillAsk.of(request), seq.budget, out=blocks, opened=seq.opened
             )
         for seq, tokens in zip(seqs, step.prefill_tokens, strict=True):
             assert seq.budget is not None

@@ -10,8 +10,10 @@ import torch
 from transformers import DynamicCache
 
 from demo.tiny import FAMILIES
+from engine.blend.dense import run_to_end
 from engine.blend.layout import PromptLayout
 from engine.blend.plan import ChunkSource
+from engine.blend.prefill import PrefillAsk
 from engine.blend.selection import Selection
 from engine.engine import Engine
 from engine.types import GenerateRequest, Mode
@@ -74,8 +76,8 @@ def test_one_chunk_behind_the_bos_prefix_equals_full_prefill_in_every_mode(
     engine.precompute([chunk])
     tokens = engine.prompts.chunk_tokens(chunk.text)
     layout = PromptLayout(engine.prompts.chunk_prefix, (tokens,), engine.prompts.encode("Answer:"))
-    full = engine.prefiller.prefill(layout, Mode.FULL_PREFILL, 1.0).output
-    reused = engine.prefiller.prefill(layout, mode, 0.15)
+    full = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.FULL_PREFILL, 1.0))).output
+    reused = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(mode, 0.15)))
     if mode in (Mode.CACHEBLEND, Mode.FULL_REUSE):
         assert reused.plan.chunk_sources == (ChunkSource.BLEND,)
     torch.testing.assert_close(reused.output.logits, full.logits, rtol=RTOL, atol=ATOL)

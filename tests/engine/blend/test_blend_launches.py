@@ -11,7 +11,9 @@ import threading
 import pytest
 
 from demo.tiny import save_random_checkpoint
+from engine.blend.dense import run_to_end
 from engine.blend.layout import PromptLayout
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.model.load import load_model
 from engine.types import GenerateRequest, Mode
@@ -52,9 +54,11 @@ def _layout(engine: Engine, make_chunks, num_chunks: int) -> PromptLayout:
 
 
 def _direct(engine: Engine, layout: PromptLayout, mode: Mode, ratio: float | None) -> OpCount:
-    engine.prefiller.prefill(layout, mode, ratio)  # warm: the prefix cache, the rope tables
+    run_to_end(
+        engine.prefiller.prefill(layout, PrefillAsk(mode, ratio))
+    )  # warm: the prefix cache, the rope tables
     with counting() as count:
-        engine.prefiller.prefill(layout, mode, ratio)
+        run_to_end(engine.prefiller.prefill(layout, PrefillAsk(mode, ratio)))
     return count
 
 

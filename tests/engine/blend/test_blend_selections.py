@@ -10,7 +10,8 @@ import torch
 
 from demo.tiny import FAMILIES
 from engine.blend.check import default_check_layers, default_selection
-from engine.blend.loop import run_prefill
+from engine.blend.dense import run_to_end
+from engine.blend.loop import layer_loop
 from engine.blend.plan import ChunkSource
 from engine.blend.selection import Selection, token_deviation
 from engine.engine import Engine
@@ -153,7 +154,7 @@ def test_oracle_deviation_is_the_full_prefills_kv_deviation_summed_over_layers(
     engine.precompute(chunks)
     full = engine.prefill(request(chunks, mode=Mode.FULL_PREFILL))
     layout, plan = full.layout, dataclasses.replace(full.plan, keep_pre_rope_keys=True)
-    output = run_prefill(engine.ops, plan)
+    output = run_to_end(layer_loop(engine.ops, plan))
     cached = [engine.prefiller.compute_chunk_kv(tokens) for tokens in layout.chunks]
     rows = torch.tensor([p for s, n in layout.chunk_spans for p in range(s, s + n)])
     expected = sum(

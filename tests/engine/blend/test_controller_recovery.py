@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.blend.dense import run_to_end
 from engine.blend.layout import PromptLayout
 from engine.blend.plan import ChunkSource
-from engine.blend.prefill import Prefill
+from engine.blend.prefill import Prefill, PrefillAsk
 from engine.engine import Engine
 from engine.model.load import load_model
 from engine.types import GenerateRequest, Mode
@@ -57,7 +58,7 @@ def prefill_at(engine: Engine, layout: PromptLayout, layer_compute_s: float) -> 
     layer: its decisions then depend on the measured loads alone, not on this machine's load."""
     controller = engine.prefiller.controller
     controller.token_layer_s = layer_compute_s / computed_tokens(engine, layout)
-    return engine.prefiller.prefill(layout, Mode.CACHEBLEND)
+    return run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.CACHEBLEND)))
 
 
 @pytest.mark.parametrize("engine", [tiers.MEMORY, tiers.SSD], indirect=True)
@@ -101,7 +102,7 @@ def test_the_fallback_reuses_the_cached_prefix_and_equals_full_prefill(engine, c
     layout = engine.layout(ask(chunks))
     engine.prefiller.controller.seconds_per_byte[tiers.MEMORY] = 1.0  # a second per byte
     fallback = prefill_at(engine, layout, 0.01)
-    full = engine.prefiller.prefill(layout, Mode.FULL_PREFILL)
+    full = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.FULL_PREFILL)))
 
     assert fallback.blend.fell_back_to_full_prefill
     assert fallback.plan.prefix_cached

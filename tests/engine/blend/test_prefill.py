@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
+from engine.blend.dense import run_to_end
 from engine.blend.plan import ChunkSource
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.model.load import load_model
 from engine.types import GenerateRequest, Mode
@@ -64,10 +66,12 @@ def test_a_chunk_entry_bad_mid_stream_is_recomputed_on_a_fresh_stream(
     if ahead:
         # Opened while the entry is whole, damaged before the loader (slowed) reaches it.
         engine.prefiller.kv_read_delay_s = 0.2
-        opened = engine.prefiller.open_ahead(layout, Mode.CACHEBLEND, 0.3)
+        opened = engine.prefiller.open_ahead(layout, PrefillAsk(Mode.CACHEBLEND, 0.3))
         assert opened is not None and opened.present == [True, True, True]
     damage(engine, layout.chunks[1], how)
-    recovered = engine.prefiller.prefill(layout, Mode.CACHEBLEND, 0.3, opened=opened)
+    recovered = run_to_end(
+        engine.prefiller.prefill(layout, PrefillAsk(Mode.CACHEBLEND, 0.3), opened=opened)
+    )
 
     sources = (ChunkSource.BLEND, ChunkSource.COMPUTE, ChunkSource.BLEND)
     assert recovered.plan.chunk_sources == sources
@@ -75,7 +79,7 @@ def test_a_chunk_entry_bad_mid_stream_is_recomputed_on_a_fresh_stream(
     assert engine.store.lookup([engine.chunk_key(c) for c in layout.chunks])[1] is None
     engine.prefiller.kv_read_delay_s = 0.0
     # The same as a prefill that never had the entry: nothing of the bad read is left.
-    again = engine.prefiller.prefill(layout, Mode.CACHEBLEND, 0.3)
+    again = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.CACHEBLEND, 0.3)))
     assert again.plan.chunk_sources == sources
     torch.testing.assert_close(recovered.output.logits, again.output.logits, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(recovered.output.keys, again.output.keys, rtol=RTOL, atol=ATOL)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.blend.prompt_kv import PagedKV
 from engine.types import GenerateRequest, Mode
 
@@ -38,14 +40,20 @@ def test_a_prefill_into_scattered_blocks_equals_one_into_its_own_buffer(
     chunks = make_chunks(3, seed=11)
     engine.precompute(chunks)
     layout = engine.layout(GenerateRequest(question="who is zuka?", chunks=chunks, mode=mode))
-    engine.prefiller.prefill(layout, mode, 0.3)  # the prompt prefix cached for both runs below
-    dense = engine.prefiller.prefill(layout, mode, 0.3).output
+    run_to_end(
+        engine.prefiller.prefill(layout, PrefillAsk(mode, 0.3))
+    )  # the prompt prefix cached for both runs below
+    dense = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(mode, 0.3))).output
     num_tokens = layout.num_tokens
     count = -(-num_tokens // BLOCK)
     # Blocks out of order and apart: no view of the pool could stand for them.
     table = [3 * count - 1 - 3 * j for j in range(count)]
     pool = _pool(engine, 3 * count)
-    paged = engine.prefiller.prefill(layout, mode, 0.3, out=PagedKV(pool, table, num_tokens))
+    paged = run_to_end(
+        engine.prefiller.prefill(
+            layout, PrefillAsk(mode, 0.3), out=PagedKV(pool, table, num_tokens)
+        )
+    )
     torch.testing.assert_close(paged.output.logits, dense.logits, rtol=RTOL, atol=ATOL)
     keys, values = paged.output.kv.read(0, num_tokens)
     torch.testing.assert_close(keys, dense.keys, rtol=RTOL, atol=ATOL)
@@ -62,12 +70,16 @@ def test_the_blocks_of_a_shared_prefix_are_never_written(engine_for, make_chunks
     chunks = make_chunks(2, seed=12)
     engine.precompute(chunks)
     layout = engine.layout(GenerateRequest(question="who is zuka?", chunks=chunks))
-    dense = engine.prefiller.prefill(layout, Mode.CACHEBLEND, 0.3).output
+    dense = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.CACHEBLEND, 0.3))).output
     num_tokens, shared = layout.num_tokens, 2 * BLOCK
     table = list(range(-(-num_tokens // BLOCK)))
     pool = _pool(engine, len(table))
-    engine.prefiller.prefill(
-        layout, Mode.CACHEBLEND, 0.3, out=PagedKV(pool, table, num_tokens, shared=shared)
+    run_to_end(
+        engine.prefiller.prefill(
+            layout,
+            PrefillAsk(Mode.CACHEBLEND, 0.3),
+            out=PagedKV(pool, table, num_tokens, shared=shared),
+        )
     )
     keys, values = pool
     assert (_rows(keys, table, 0, shared) == SENTINEL).all()

@@ -12,7 +12,7 @@ import torch
 from demo.tiny import FAMILIES
 from engine.blend.budget import MIN_PIECE_ROWS, StepBudget
 from engine.blend.dense import advance
-from engine.blend.prefill import Prefill
+from engine.blend.prefill import Prefill, PrefillAsk
 from engine.types import GenerateRequest, Mode
 
 RTOL, ATOL = 1e-4, 1e-5  # float32 rounding: pieces are matmuls of other shapes
@@ -25,7 +25,7 @@ def request(chunks, **overrides) -> GenerateRequest:
 def split(engine, req: GenerateRequest, per_step: int) -> tuple[Prefill, int]:
     """The prefill driven one step at a time with `per_step` token-layers; its pauses."""
     budget = StepBudget(per_step)
-    steps = engine.prefiller.request_steps(engine.layout(req), req, budget)
+    steps = engine.prefiller.prefill(engine.layout(req), PrefillAsk.of(req), budget)
     pauses = 0
     while True:
         done, prefill = advance(steps)
@@ -99,7 +99,7 @@ def test_a_check_layer_projects_its_rows_in_pieces(engine_for, make_chunks):
     ops.project_qkv = counted
     try:
         budget = StepBudget(per_step)
-        steps = engine.prefiller.request_steps(engine.layout(req), req, budget)
+        steps = engine.prefiller.prefill(engine.layout(req), PrefillAsk.of(req), budget)
         done = False
         while not done:
             projected.append(0)
@@ -125,7 +125,7 @@ def test_a_prefill_pauses_about_once_per_budget_of_token_layers(engine_for, make
 def test_an_unbounded_budget_runs_the_prefill_in_one_go(engine_for, make_chunks):
     engine = engine_for("llama")
     req = request(make_chunks(3, seed=4), mode=Mode.FULL_PREFILL)
-    steps = engine.prefiller.request_steps(engine.layout(req), req, StepBudget())
+    steps = engine.prefiller.prefill(engine.layout(req), PrefillAsk.of(req), StepBudget())
     done, prefill = advance(steps)
     assert done and prefill is not None
     assert_same(prefill, engine.prefill(req))

@@ -16,6 +16,8 @@ from demo import MODEL_DIR
 from demo.corpus import held_out
 from demo.evaluate import as_chunks
 from demo.tiny import random_words
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.quality.shadow import Shadow, ShadowConfig, ShadowReport, ShadowSample
 from engine.types import Chunk, GenerateRequest, Mode
@@ -219,7 +221,7 @@ def test_with_a_share_of_busy_steps_a_check_completes_while_other_requests_run(t
 def finished_sample(engine: Engine, prompt_tokens: int = 40) -> ShadowSample:
     """A sample as a finished greedy request leaves it (logits of a real prefill)."""
     layout = engine.layout(GenerateRequest("q", chunks=long_chunks(2, prompt_tokens // 4)))
-    output = engine.prefiller.prefill(layout, Mode.FULL_PREFILL).output
+    output = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.FULL_PREFILL))).output
     sample = ShadowSample(Mode.CACHEBLEND, layout.token_ids, True, 2, (output.keys, output.values))
     sample.observe(output.logits, int(output.logits.argmax()))
     return sample
@@ -289,7 +291,7 @@ def test_a_check_of_an_exact_kv_deviates_nowhere_and_one_of_naive_reuse_does(eng
     shadow = Shadow(engine.ops, ShadowConfig(fraction=1.0, max_share=1.0, max_tokens=6))
     shadow.add_listener(reports.append)
     for mode in (Mode.FULL_PREFILL, Mode.FULL_REUSE):
-        output = engine.prefiller.prefill(layout, mode).output
+        output = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(mode))).output
         kv = (output.keys.clone(), output.values.clone())
         sample = ShadowSample(Mode.FULL_REUSE, layout.token_ids, False, 6, kv)
         sample.observe(output.logits, 0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.runner.decode_step import BATCH_BUCKETS, bucket, build_step
 from engine.runner.model_runner import ModelRunner
 from engine.types import GenerateRequest, Mode
@@ -52,7 +54,9 @@ def test_cuda_graph_decode_equals_the_eager_decode(checkpoint_dir):
     engine = Engine.from_pretrained(checkpoint_dir("llama"), device="cuda", max_num_seqs=1)
     try:
         req = GenerateRequest(question="which tas does kalo hold?", chunks=(), max_tokens=8)
-        prefill = engine.prefiller.prefill(engine.layout(req), Mode.FULL_PREFILL)
+        prefill = run_to_end(
+            engine.prefiller.prefill(engine.layout(req), PrefillAsk(Mode.FULL_PREFILL))
+        )
         keys, values = prefill.output.keys, prefill.output.values
         n = keys.shape[2]
         runners = [ModelRunner(engine.ops, 64, 16, 1024, num_lanes=1) for _ in range(2)]

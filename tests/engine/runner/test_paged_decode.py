@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.runner.model_runner import ModelRunner
 from engine.types import GenerateRequest, Mode
 from tests.engine.slot_reference import SlotPool
@@ -28,7 +30,9 @@ STEPS = 5
 def prompt_kv(engine, chunks) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A full prefill's KV [L, H_kv, n, D] of a prompt over `chunks`, and its first token."""
     req = GenerateRequest(question="which tas does kalo hold?", chunks=chunks, max_tokens=8)
-    prefill = engine.prefiller.prefill(engine.layout(req), Mode.FULL_PREFILL)
+    prefill = run_to_end(
+        engine.prefiller.prefill(engine.layout(req), PrefillAsk(Mode.FULL_PREFILL))
+    )
     return prefill.output.keys, prefill.output.values, int(prefill.output.logits.argmax())
 
 

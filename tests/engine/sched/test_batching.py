@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from demo.tiny import FAMILIES
+from engine.blend.dense import run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.sched.blocks import BlockManager
 from engine.sched.scheduler import MIN_PREFILL_TOKENS
@@ -31,7 +33,9 @@ def prefill_into_blocks(engine, table: list[int], req: GenerateRequest) -> tuple
     """Prefill `req` into the blocks of `table`; its first greedy token and the position it
     goes to."""
     layout = engine.layout(req)
-    prefill = engine.prefiller.prefill(layout, req.mode, req.recompute_ratio)
+    prefill = run_to_end(
+        engine.prefiller.prefill(layout, PrefillAsk(req.mode, req.recompute_ratio))
+    )
     engine.runner.write_prompt(table, prefill.output.keys, prefill.output.values)
     return int(prefill.output.logits.argmax()), layout.num_tokens
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from engine.blend.budget import MIN_PIECE_ROWS, StepBudget
-from engine.blend.dense import advance_together
+from engine.blend.dense import advance_together, run_to_end
+from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.sched.blocks import BlockManager
 from engine.sched.scheduler import MIN_PREFILL_TOKENS
@@ -105,14 +106,14 @@ def test_a_decode_joins_the_projection_of_a_prefill_piece_in_the_layer_they_shar
     table = BlockManager(engine.runner.num_blocks, engine.runner.block_size).allocate(
         0, engine.max_model_len
     )
-    prefill = engine.prefiller.prefill(layout, Mode.FULL_PREFILL)
+    prefill = run_to_end(engine.prefiller.prefill(layout, PrefillAsk(Mode.FULL_PREFILL)))
     engine.runner.write_prompt(table, prefill.output.keys, prefill.output.values)
     token, position = int(prefill.output.logits.argmax()), layout.num_tokens
     alone = engine.runner.decode([table], [position], [token])
 
     prefilling = request(make_chunks(3, seed=34), mode=Mode.FULL_PREFILL)
-    steps = engine.prefiller.request_steps(
-        engine.layout(prefilling), prefilling, StepBudget(MIN_PIECE_ROWS)
+    steps = engine.prefiller.prefill(
+        engine.layout(prefilling), PrefillAsk.of(prefilling), StepBudget(MIN_PIECE_ROWS)
     )
     calls: list = []
     record_projections(engine, calls, monkeypatch)

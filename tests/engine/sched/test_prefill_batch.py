@@ -10,7 +10,7 @@ import torch
 from demo.tiny import FAMILIES
 from engine.blend.budget import MIN_PIECE_ROWS, StepBudget
 from engine.blend.dense import advance_together, side_by_side
-from engine.blend.prefill import Prefill
+from engine.blend.prefill import Prefill, PrefillAsk
 from engine.engine import Engine
 from engine.types import GenerateRequest, Mode, StepRecord
 from tests.engine.blend.test_split_prefill import assert_same  # float32 rounding, as pieces
@@ -32,7 +32,8 @@ def together(engine, requests: list[GenerateRequest], per_step: float) -> tuple[
     one unbounded step); their results and the steps taken."""
     budget = StepBudget()
     pausables = [
-        engine.prefiller.request_steps(engine.layout(r), r, budget, opened=None) for r in requests
+        engine.prefiller.prefill(engine.layout(r), PrefillAsk.of(r), budget, opened=None)
+        for r in requests
     ]
     results: list[Prefill | None] = [None] * len(requests)
 
