@@ -10,14 +10,13 @@ import torch
 
 from engine.blend.plan import PrefillPlan
 from engine.blend.prompt_kv import device_index
+from engine.blend.ratio import tokens_kept
 from engine.blend.selection import (
     CheckScores,
     Selection,
-    coverage_budget,
     query_attention,
     select,
     select_top,
-    selection_budget,
     token_deviation,
 )
 from engine.model.layers import LayerOps
@@ -68,23 +67,19 @@ def check_scores(
 def check_keeps(
     plan: PrefillPlan,
     scores: CheckScores,
-    ratio: float,
-    last_check: bool,
+    check: int,
+    num_checks: int,
     blend_row: dict[int, int],
     positions: list[int],
 ) -> torch.Tensor | None:
-    """The candidates a check layer keeps (indices into them), or None to keep them all.
-
-    The budget is `ratio` of the blended tokens; under the auto ratio every check layer keeps
-    only as many as cover `plan.coverage` of its selection's mass, at least `plan.min_ratio`.
-    Caller-given `plan.token_scores` (an oracle's) rank instead of the selection.
-    """
+    """The candidates check layer `check` (of `num_checks`) keeps (indices into them), or None
+    to keep them all: as many as `tokens_kept` says, ranked by the plan's selection (by
+    caller-given `plan.token_scores`, an oracle's, where given)."""
     n = len(scores.offsets)
-    selection = plan.selection if last_check else early(plan.selection)
-    budget = selection_budget(ratio, len(blend_row))
-    if plan.coverage is not None:
-        low = min(budget, selection_budget(plan.min_ratio, len(blend_row)))
-        budget = coverage_budget(auto_mass(selection, scores), plan.coverage, low, budget)
+    selection = plan.selection if check == num_checks - 1 else early(plan.selection)
+    budget = tokens_kept(
+        plan, check, num_checks, len(blend_row), lambda: auto_mass(selection, scores)
+    )
     if plan.token_scores is not None:
         if budget >= n:
             return None

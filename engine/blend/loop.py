@@ -16,7 +16,7 @@ from engine.blend.check import check_keeps, check_scores
 from engine.blend.dense import Dense, Pausable
 from engine.blend.plan import PrefillPlan
 from engine.blend.prompt_kv import DenseKV, KVOut, PromptKV, device_index
-from engine.blend.selection import Selection, prompt_generator, ratio_schedule
+from engine.blend.selection import Selection, prompt_generator
 from engine.model.attention import AttentionPlan
 from engine.model.layers import LayerOps
 from kvstore.device_time import DeviceSpan, mark
@@ -109,7 +109,6 @@ def layer_loop(
     blend_row = {p: row for row, p in enumerate(blend_positions)}
     blending = plan.recompute_ratio > 0 and bool(blend_row)
     checks = sorted(set(plan.check_layers)) if blending else []
-    ratios = dict(zip(checks, ratio_schedule(plan.recompute_ratio, len(checks)), strict=True))
     # The random baseline draws from the tokens still selected, so narrowing stays nested.
     random_pick = blending and plan.selection is Selection.RANDOM and plan.token_scores is None
     generator = prompt_generator(plan.token_ids) if random_pick else None
@@ -143,7 +142,7 @@ def layer_loop(
             streamed.write(v_layer, cached.values)
 
         num_computed = h.shape[0]
-        if i in ratios:
+        if i in checks:
             assert cached is not None, "a check layer reads the blended chunks' cached KV"
             # The check compares every candidate: it waits until the layer projected all its
             # rows (in pieces), then runs at once.
@@ -155,7 +154,8 @@ def layer_loop(
             scores = check_scores(
                 ops, i, plan, positions, candidates, layer, cached, generator, blend_row
             )
-            chosen = check_keeps(plan, scores, ratios[i], i == checks[-1], blend_row, positions)
+            check = checks.index(i)
+            chosen = check_keeps(plan, scores, check, len(checks), blend_row, positions)
             if chosen is not None:
                 # The one read-back of a check layer: which tokens were selected.
                 dropped = set(candidates) - {candidates[c] for c in chosen.tolist()}

@@ -19,7 +19,7 @@ from engine.blend.ratio import RatioChoice, RatioPolicy
 from engine.blend.selection import Selection
 from engine.blend.timeline import overlap_fraction, total
 from engine.model.layers import LayerOps
-from engine.types import Blend, GenerateRequest, LayerTimes, Mode, Usage
+from engine.types import DEFAULT_RECOMPUTE_RATIO, Blend, GenerateRequest, LayerTimes, Mode, Usage
 from kvstore.errors import KVStreamError
 from kvstore.loader import KVLayerStream
 from kvstore.store import KVStore
@@ -126,6 +126,7 @@ class Prefiller:
         check_layers: tuple[int, ...],
         controller: Controller,
         recompute_ratio: float | str | None = None,
+        min_ratio: float = DEFAULT_RECOMPUTE_RATIO,
         prefix_cache: PrefixCache | None = None,
         kv_read_delay_s: float = 0.0,
         selection: Selection = Selection.HKVD,
@@ -137,7 +138,7 @@ class Prefiller:
         self.fingerprint = fingerprint
         self.chunk_prefix = chunk_prefix
         self.ratios = RatioPolicy(
-            ops, check_layers, controller, recompute_ratio, auto_coverage, auto_max_ratio
+            ops, check_layers, controller, recompute_ratio, min_ratio, auto_coverage, auto_max_ratio
         )
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.kv_read_delay_s = kv_read_delay_s

@@ -1,18 +1,105 @@
-"""Who chooses a prompt's recompute ratio and check layers (the request, the engine's setting
-or the controller), and what each prefill feeds back to the controller."""
+"""How many tokens a blend recomputes, decided here alone: who sets the ratio and the check layers
+(the request, the engine's setting, the controller's speed rule, or the auto ratio; RatioPolicy),
+how many tokens each check layer keeps of it (`tokens_kept`), and what each prefill feeds back
+to the controller's estimates."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 
 from engine.blend.controller import Controller
 from engine.blend.layout import PromptLayout
-from engine.blend.loop import PrefillOutput
-from engine.blend.plan import first_streamed_layer
+from engine.blend.plan import PrefillPlan, first_streamed_layer
 from engine.model.layers import LayerOps
 from engine.types import AUTO_RATIO, DEFAULT_RECOMPUTE_RATIO, Mode
 from kvstore.loader import KVLayerStream
 from kvstore.types import kv_token_bytes
+
+if TYPE_CHECKING:  # the loop imports the check layers, which import tokens_kept from here
+    from engine.blend.loop import PrefillOutput
+
+# Blend only while loads take less than this share of a layer's compute. Above it a blend
+# saves under 20 % (it recomputes r = load / compute of the tokens anyway) while an estimate
+# a little low makes it wait on every layer's load: measured on the 2-core CPU, blends at
+# r ≈ 0.98 from a slow tier took 1.4 x a full prefill.
+MAX_LOAD_RATIO = 0.8
+
+
+@dataclass(frozen=True)
+class SpeedDecision:
+    recompute_ratio: float
+    leading_layers: int  # layers computed fully before the (first) check layer
+    full_prefill: bool  # blending would be slower: compute everything, load nothing
+    layer_compute_s: float  # estimated full compute of one layer
+    layer_load_s: float  # estimated load of one layer of KV
+
+
+def speed_rule(
+    layer_compute_s: float,
+    layer_load_s: float,
+    num_layers: int,
+    min_ratio: float,
+    min_leading_layers: int,
+) -> SpeedDecision:
+    """Blending costs, per layer, max(load time, recompute time): recompute as much as loading
+    hides (r = max(r_min, load / compute)), lead with enough full layers that the first blended
+    layer's KV has arrived, and give up on blending when loads are the slower (or so close to
+    it, MAX_LOAD_RATIO, that a blend saves little and risks much): never slower than a full
+    prefill (paper §5)."""
+    if layer_compute_s <= 0.0:
+        return SpeedDecision(min_ratio, min_leading_layers, False, layer_compute_s, layer_load_s)
+    load_ratio = layer_load_s / layer_compute_s
+    if load_ratio >= MAX_LOAD_RATIO:
+        return SpeedDecision(1.0, num_layers, True, layer_compute_s, layer_load_s)
+    leading = min(num_layers - 1, max(min_leading_layers, math.ceil(load_ratio)))
+    return SpeedDecision(max(min_ratio, load_ratio), leading, False, layer_compute_s, layer_load_s)
+
+
+def ratio_schedule(ratio: float, num_checks: int) -> list[float]:
+    """Selection ratio at each check layer: halved at each step, ending at `ratio` (paper §4.3).
+
+    One check layer selects `ratio` at once; three select 4r, 2r, then r of the chunk tokens.
+    """
+    return [min(1.0, ratio * 2 ** (num_checks - 1 - step)) for step in range(num_checks)]
+
+
+def selection_budget(ratio: float, num_tokens: int) -> int:
+    """ceil(ratio * num_tokens), robust to float noise (0.15 * 100 selects 15, not 16)."""
+    return min(num_tokens, math.ceil(round(ratio * num_tokens, 6)))
+
+
+def coverage_budget(mass: torch.Tensor, share: float, low: int, high: int) -> int:
+    """The fewest candidates whose `mass` (non-negative) covers `share` of the total, clamped
+    to [low, high]: the auto ratio's budget (a flat mass needs many tokens, a peaked one few)."""
+    values = mass.float().clamp_min(0).sort(descending=True).values
+    total = values.sum()
+    covered = values.cumsum(0) >= share * total * (1 - 1e-6)
+    # One read-back: the count, or `low` where there is no mass to cover.
+    needed = int(torch.where(total > 0, covered.to(torch.int8).argmax() + 1, low))
+    return max(low, min(high, needed))
+
+
+def tokens_kept(
+    plan: PrefillPlan,
+    check: int,
+    num_checks: int,
+    num_blended: int,
+    mass: Callable[[], torch.Tensor],
+) -> int:
+    """How many of the `num_blended` tokens check layer `check` (of `num_checks`, in order)
+    keeps: its share of the plan's ratio (`ratio_schedule`) as a count; under the auto ratio
+    (`plan.coverage`) the fewest that cover that share of the selection's `mass` (called only
+    then), at least `plan.min_ratio`'s count."""
+    budget = selection_budget(ratio_schedule(plan.recompute_ratio, num_checks)[check], num_blended)
+    if plan.coverage is None:
+        return budget
+    low = min(budget, selection_budget(plan.min_ratio, num_blended))
+    return coverage_budget(mass(), plan.coverage, low, budget)
 
 
 @dataclass(frozen=True)
@@ -34,6 +121,7 @@ class RatioPolicy:
         check_layers: tuple[int, ...],
         controller: Controller,
         recompute_ratio: float | str | None,
+        min_ratio: float = DEFAULT_RECOMPUTE_RATIO,
         auto_coverage: float = 0.8,
         auto_max_ratio: float = 0.5,
     ):
@@ -41,6 +129,7 @@ class RatioPolicy:
         self.check_layers = check_layers
         self.controller = controller
         self.recompute_ratio = recompute_ratio
+        self.min_ratio = min_ratio  # the speed rule's floor
         self.auto_coverage = auto_coverage
         self.auto_max_ratio = auto_max_ratio
 
@@ -53,7 +142,7 @@ class RatioPolicy:
         if ratio == AUTO_RATIO:
             ratio = self.auto_max_ratio if max_ratio is None else max_ratio
         if ratio is None:
-            ratio = self.controller.min_ratio
+            ratio = self.min_ratio
         assert isinstance(ratio, float | int)
         return first_streamed_layer(ratio if mode is Mode.CACHEBLEND else 0.0, self.check_layers)
 
@@ -82,7 +171,7 @@ class RatioPolicy:
             return RatioChoice(self.recompute_ratio, self.check_layers, "engine")
         if mode is not Mode.CACHEBLEND or not any(tiers):
             return RatioChoice(DEFAULT_RECOMPUTE_RATIO, self.check_layers, "engine")
-        return self._speed_rule(layout, tiers, prefix_cached, self.controller.min_ratio)
+        return self._speed_rule(layout, tiers, prefix_cached, self.min_ratio)
 
     def _auto(
         self,
@@ -104,13 +193,15 @@ class RatioPolicy:
     def _speed_rule(
         self, layout: PromptLayout, tiers: list[str | None], prefix_cached: bool, floor: float
     ) -> RatioChoice:
-        """The controller's choice: recompute what loading hides, at least `floor`."""
+        """The speed rule over the controller's estimates: recompute what loading hides, at
+        least `floor`."""
         num_layers = self.ops.shape.num_layers
         # The fallback reuses the cached prefix too: either way the compute to compare with
         # the loads is that of the other tokens.
         computed = layout.num_tokens - (len(layout.prefix) if prefix_cached else 0)
-        decision = self.controller.decide(
-            computed, self._layer_bytes(layout.chunks, tiers), num_layers, floor
+        layer = self.controller.estimate(computed, self._layer_bytes(layout.chunks, tiers))
+        decision = speed_rule(
+            layer.compute_s, layer.load_s, num_layers, floor, self.check_layers[0]
         )
         shift = decision.leading_layers - self.check_layers[0]
         checks = tuple(c + shift for c in self.check_layers if c + shift < num_layers)

@@ -1,5 +1,5 @@
 """Which chunk tokens to recompute: the scores a check layer ranks them by (KV deviation, the
-question's attention, position in the chunk), the pick of each Selection, and the budget.
+question's attention, position in the chunk) and the pick of each Selection (how many: ratio.py).
 
 Pure functions on ints and small tensors, tested on their own.
 """
@@ -7,7 +7,6 @@ Pure functions on ints and small tensors, tested on their own.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,19 +15,6 @@ import torch
 from common.contract import Selection
 
 __all__ = ["CheckScores", "Selection", "select"]
-
-
-def ratio_schedule(ratio: float, num_checks: int) -> list[float]:
-    """Selection ratio at each check layer: halved at each step, ending at `ratio` (paper §4.3).
-
-    One check layer selects `ratio` at once; three select 4r, 2r, then r of the chunk tokens.
-    """
-    return [min(1.0, ratio * 2 ** (num_checks - 1 - step)) for step in range(num_checks)]
-
-
-def selection_budget(ratio: float, num_tokens: int) -> int:
-    """ceil(ratio * num_tokens), robust to float noise (0.15 * 100 selects 15, not 16)."""
-    return min(num_tokens, math.ceil(round(ratio * num_tokens, 6)))
 
 
 def token_deviation(
@@ -143,14 +129,3 @@ def _complete(fixed: torch.Tensor, ranking: torch.Tensor, budget: int) -> torch.
     rest[fixed] = float("-inf")  # never picked again: the others outnumber what is asked
     extra = select_top(rest, budget - fixed.numel())
     return torch.cat([fixed, extra]).sort().values
-
-
-def coverage_budget(mass: torch.Tensor, share: float, low: int, high: int) -> int:
-    """The fewest candidates whose `mass` (non-negative) covers `share` of the total, clamped
-    to [low, high]: the auto ratio's budget (a flat mass needs many tokens, a peaked one few)."""
-    values = mass.float().clamp_min(0).sort(descending=True).values
-    total = values.sum()
-    covered = values.cumsum(0) >= share * total * (1 - 1e-6)
-    # One read-back: the count, or `low` where there is no mass to cover.
-    needed = int(torch.where(total > 0, covered.to(torch.int8).argmax() + 1, low))
-    return max(low, min(high, needed))

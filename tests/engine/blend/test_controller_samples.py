@@ -47,7 +47,7 @@ def test_prefills_side_by_side_leave_the_compute_estimate_as_one_alone_left_it(e
     alone = controller.token_layer_s
     assert alone is not None, "a lone prefill's layers teach the controller"
     slow_tier = {tiers.SSD: 10**7}  # bytes per layer read at the SSD's prior speed
-    choice = controller.decide(400, slow_tier, engine.ops.shape.num_layers)
+    choice = controller.estimate(400, slow_tier)
 
     release = _hold_worker(engine)
     questions = [f"what does vo number {j} hold?" for j in range(SIDE_BY_SIDE)]
@@ -69,4 +69,4 @@ def test_prefills_side_by_side_leave_the_compute_estimate_as_one_alone_left_it(e
 
     assert max(r.num_prefills for r in records) == SIDE_BY_SIDE  # one step ran them all
     assert controller.token_layer_s == alone
-    assert controller.decide(400, slow_tier, engine.ops.shape.num_layers) == choice
+    assert controller.estimate(400, slow_tier) == choice

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from engine.api.settings import EngineSettings
+from engine.blend.ratio import coverage_budget, ratio_schedule, selection_budget
 from engine.blend.selection import (
     SINK_TOKENS,
     CheckScores,
     Selection,
-    coverage_budget,
     prompt_generator,
     query_attention,
-    ratio_schedule,
     select,
     select_random,
     select_top,
-    selection_budget,
     sink_order,
     token_deviation,
 )
