@@ -171,6 +171,28 @@ def test_under_decodes_that_fill_the_budget_the_prefill_in_flight_gets_its_floor
             s.finish(x)
 
 
+def test_background_work_gets_what_the_step_leaves_and_at_least_the_floor():
+    s = scheduler(slots=4, max_waiting=4, step_tokens=64, blocks=64)
+    decoding = [seq(10) for _ in range(3)]
+    for x in decoding:
+        s.add(x)
+    s.schedule()
+    prefilled(*decoding)
+    s.add(seq(20))
+    step = s.schedule()
+    # 3 decodes and the 20 prompt tokens the new prefill needs leave 41 of the 64.
+    assert step.prefill_tokens == [20] and step.background_tokens == 64 - 3 - 20
+    step.prefills[0].num_prefilled = 20
+    prefilled(step.prefills[0])
+    assert s.schedule().background_tokens == 64 - 4
+    full = scheduler(slots=4, max_waiting=4, step_tokens=4, blocks=64)
+    for x in [seq(10) for _ in range(4)]:
+        full.add(x)
+        full.schedule()
+        prefilled(x)
+    assert full.schedule().background_tokens == MIN_PREFILL_TOKENS  # decodes fill the budget
+
+
 def test_a_prefill_in_flight_is_given_no_more_than_it_still_needs():
     s = scheduler(slots=3, max_waiting=3, budget=1000, step_tokens=200, blocks=64)
     a, b, c = seq(10), seq(120), seq(150)
