@@ -1,10 +1,12 @@
-"""Repetition and correctness of greedy answers under sampling penalties, on the project's docs.
+"""Repetition and correctness of answers under sampling settings, on the project's docs.
 
 Asks 20 questions over passages of docs/*.md (the block holding the answer and the one before
 it). Each prompt is prefilled once (full prefill), its KV copied into the blocks of one lane
 per penalty setting, and all settings then decode together as one batch through the engine's
-runner and penalty state, as the engine's decode step does. Reports per setting: the share of
-repeated 3-grams in the answers, the answers naming the right fact, the mean answer length.
+runner and penalty state, as the engine's decode step does; each setting then picks its token
+with the engine's Sampler (greedy at temperature 0, else seeded temperature + top-p sampling).
+Reports per setting: the share of repeated 3-grams in the answers, the answers naming the right
+fact, the mean answer length.
 Prints a table and writes bench/results/generation_defaults.csv.
 """
 
@@ -25,6 +27,7 @@ from engine.blend.dense import run_to_end
 from engine.blend.prefill import PrefillAsk
 from engine.engine import Engine
 from engine.sched.blocks import BlockManager
+from engine.sched.sampling import Sampler
 from engine.types import Chunk, GenerateRequest, Mode, Penalties
 
 ROOT = Path(__file__).parent.parent
@@ -54,7 +57,7 @@ QUESTIONS = (
     ),
     Question(
         "kvstore.md",
-        "The engine's setting is `kv_encoding`",
+        "setting is `kv_encoding` (`RAGBLEND_ENGINE_KV_ENCODING`)",
         "Which encoding do new SSD entries of the KV store use by default?",
         ("int8",),
     ),
@@ -162,17 +165,34 @@ QUESTIONS = (
     ),
 )
 
-# (name, presence, frequency, repetition); the first is the engine's neutral default.
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+
+
+# The first is greedy without penalties; the sampled ones are what a client's defaults bring
+# (OpenAI's temperature 1.0) and the usual chat settings, each with the bundled frequency 0.3.
 SETTINGS = (
-    ("none", 0.0, 0.0, 1.0),
-    ("repetition 1.1", 0.0, 0.0, 1.1),
-    ("repetition 1.2", 0.0, 0.0, 1.2),
-    ("repetition 1.3", 0.0, 0.0, 1.3),
-    ("frequency 0.3", 0.0, 0.3, 1.0),
-    ("frequency 0.5", 0.0, 0.5, 1.0),
-    ("presence 0.5", 0.5, 0.0, 1.0),
-    ("repetition 1.1 + frequency 0.3", 0.0, 0.3, 1.1),
+    Setting("none"),
+    Setting("repetition 1.1", repetition=1.1),
+    Setting("repetition 1.2", repetition=1.2),
+    Setting("repetition 1.3", repetition=1.3),
+    Setting("frequency 0.3", frequency=0.3),
+    Setting("frequency 0.5", frequency=0.5),
+    Setting("presence 0.5", presence=0.5),
+    Setting("repetition 1.1 + frequency 0.3", frequency=0.3, repetition=1.1),
+    Setting("temperature 0.3 + frequency 0.3", temperature=0.3, frequency=0.3),
+    Setting("temperature 0.7 top_p 0.9 + frequency 0.3", 0.7, 0.9, frequency=0.3),
+    Setting("temperature 1.0 + frequency 0.3", temperature=1.0, frequency=0.3),
+    Setting("temperature 1.0 (OpenAI's default)", temperature=1.0),
 )
+SEED = 20261206  # each sampled answer's seed: the same draws in every run
 
 
 def passages(question: Question) -> tuple[Chunk, ...]:
@@ -190,7 +210,7 @@ def repeated_3gram_share(token_ids: list[int]) -> float:
 
 @torch.inference_mode()
 def answers(engine: Engine, question: Question, max_tokens: int) -> list[list[int]]:
-    """Greedy token ids of the answer under each of SETTINGS (lane i: setting i)."""
+    """The answer's token ids under each of SETTINGS (lane i: setting i)."""
     runner = engine.runner
     layout = engine.layout(
         GenerateRequest(question=question.text, chunks=passages(question), max_tokens=max_tokens)
@@ -201,15 +221,17 @@ def answers(engine: Engine, question: Question, max_tokens: int) -> list[list[in
     tables = [pool.allocate(lane, n + max_tokens) for lane in range(len(SETTINGS))]
     for table in tables:  # one prompt, its KV in every setting's blocks
         runner.write_prompt(table, prefill.output.keys, prefill.output.values)
-    penalties = [Penalties(p, f, r) for _, p, f, r in SETTINGS]
+    penalties = [Penalties(s.presence, s.frequency, s.repetition) for s in SETTINGS]
+    samplers = [Sampler(s.temperature, s.top_p, SEED) for s in SETTINGS]
     for lane in range(len(SETTINGS)):
         runner.penalties.start(lane, layout.token_ids)
     tokens: list[list[int]] = [[] for _ in SETTINGS]
     live = list(range(len(SETTINGS)))
     logits = prefill.output.logits[None].expand(len(live), -1)
     while True:
-        chosen = runner.penalties.apply(logits, live, [penalties[s] for s in live]).argmax(-1)
-        for lane, token in zip(list(live), chosen.tolist(), strict=True):
+        penalised = runner.penalties.apply(logits, live, [penalties[s] for s in live])
+        chosen = [samplers[lane](row) for lane, row in zip(live, penalised, strict=True)]
+        for lane, token in zip(list(live), chosen, strict=True):
             if token in engine.eos_ids:
                 live.remove(lane)
                 continue
@@ -229,18 +251,18 @@ def summary(per_setting: list[list[tuple[float, bool, int]]]) -> list[dict]:
     """One row per setting: mean repeated 3-gram share, right answers, mean answer length."""
     return [
         {
-            "setting": name,
-            "presence_penalty": presence,
-            "frequency_penalty": frequency,
-            "repetition_penalty": repetition,
+            "setting": setting.name,
+            "temperature": setting.temperature,
+            "top_p": setting.top_p,
+            "presence_penalty": setting.presence,
+            "frequency_penalty": setting.frequency,
+            "repetition_penalty": setting.repetition,
             "repeated_3grams": round(sum(r for r, _, _ in measured) / len(measured), 3),
             "right_fact": sum(ok for _, ok, _ in measured),
             "questions": len(measured),
             "mean_tokens": round(sum(t for _, _, t in measured) / len(measured), 1),
         }
-        for (name, presence, frequency, repetition), measured in zip(
-            SETTINGS, per_setting, strict=True
-        )
+        for setting, measured in zip(SETTINGS, per_setting, strict=True)
     ]
 
 
@@ -263,7 +285,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=len(SETTINGS)
+        args.model, dtype=args.dtype, max_model_len=4096, max_num_seqs=len(SETTINGS)
     )
     questions = QUESTIONS[: args.questions]
     per_setting: list[list[tuple[float, bool, int]]] = [[] for _ in SETTINGS]
@@ -274,7 +296,7 @@ def main() -> None:
                 text = engine.tokenizer.decode(ids, skip_special_tokens=True)
                 right = any(f.lower() in text.lower() for f in question.facts)
                 per_setting[setting].append((repeated_3gram_share(ids), right, len(ids)))
-                print(f"{SETTINGS[setting][0]:>32} {'ok ' if right else 'no '} {text!r}")
+                print(f"{SETTINGS[setting].name:>42} {'ok ' if right else 'no '} {text!r}")
             print(f"--- {question.text} ({time.perf_counter() - start:.0f} s)", flush=True)
             rows = summary(per_setting)
             write_csv(rows, args.out)  # after every question: a long run can be read midway

@@ -21,7 +21,7 @@ Not covered:
 - load.py: a load generator against a running stack (`--url`).
 - retriever_memory.py: a retriever process under rounds of 100K-character ingests.
 - quality_real.py, generation_defaults.py: a real checkpoint (SmolLM2, converted from its GGUF
-  file on first use; generation_defaults's 2048 positions exceed the demo model's 1024) and
+  file on first use; generation_defaults's 4096 positions exceed the demo model's 1024) and
   minutes of CPU per run.
 - retriever_bench.py, ann.py: the retriever's, not the engine's; MiniLM embeds hundreds of texts
   before anything is measured (at their smallest on 2 busy cores: ~65 s and ~30 s).

@@ -148,10 +148,11 @@ class GenerateBody(BaseModel):
     max_recompute_ratio: Ratio | None = None
     selection: SelectionField | None = None
     max_tokens: int = Field(64, ge=1)
-    temperature: Temperature = 0.0
-    top_p: TopP = 1.0
+    # None: the engine's default (its settings, else the model's generation_config, else greedy
+    # decoding without penalties).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     seed: Seed | None = None
-    # None: the engine's default (its presence_penalty, frequency_penalty, repetition_penalty).
     presence_penalty: AdditivePenalty | None = None
     frequency_penalty: AdditivePenalty | None = None
     repetition_penalty: RepetitionPenalty | None = None

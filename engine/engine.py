@@ -44,7 +44,9 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, store: KVStore, **options: Any):
         self.options = opts = EngineOptions(**options)
-        self.loaded, self.store, self.default_penalties = loaded, store, opts.default_penalties
+        self.loaded, self.store = loaded, store
+        # A request's sampling field left out: the engine's setting, else the model's own.
+        self.defaults = opts.generation_defaults.over(loaded.generation_defaults)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.ops = LayerOps(self.model)
         system = {"default_system": opts.system_prompt} if opts.system_prompt else {}
@@ -222,7 +224,7 @@ class Engine:
                 layout = self.layout(request)
             else:
                 fitting(layout, request.max_tokens, self.max_model_len)
-            seq = new_job(request, layout, self.tokenizer, self.default_penalties, emit)
+            seq = new_job(request, layout, self.tokenizer, self.defaults, emit)
             if opened is None:
                 opened = self.open_kv(request, layout)
             seq.opened = opened

@@ -9,7 +9,7 @@ from common.contract import MAX_PRECOMPUTE_CHUNKS
 from engine.blend.check import default_check_layers
 from engine.blend.selection import Selection
 from engine.quality.shadow import ShadowConfig
-from engine.types import DEFAULT_RECOMPUTE_RATIO, NO_PENALTIES, DecodeAttention, Penalties
+from engine.types import DEFAULT_RECOMPUTE_RATIO, DecodeAttention, GenerationDefaults
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +30,8 @@ class EngineOptions:
     measured at equal TTFT (docs/quality.md), `hkvd` where one check layer is all there is.
     `recompute_ratio="auto"` (or a request's) lets the check layer keep the tokens that cover
     `auto_coverage` of the selection's mass, at most `auto_max_ratio`.
-    `default_penalties` apply to requests that leave a penalty unset. `prefix_cache_entries`
+    `generation_defaults` apply to requests that leave a sampling field unset, before the
+    model's generation_config and greedy decoding (GenerationDefaults). `prefix_cache_entries`
     bounds both the exact prompt prefixes kept in the KV store (engine/prefix_cache.py) and
     those held once in the KV pool, shared by the sequences that start with one
     (engine/shared_prefix.py; 0: neither).
@@ -56,7 +57,7 @@ class EngineOptions:
     selection: Selection | None = None  # None: default_selection() of the check layers
     auto_coverage: float = 0.8
     auto_max_ratio: float = 0.5
-    default_penalties: Penalties = NO_PENALTIES
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def check_layers_of(self, num_layers: int) -> tuple[int, ...]:
         """The check layers, sorted, for a model of `num_layers` (default_check_layers)."""

@@ -78,8 +78,58 @@ class Penalties:
     def neutral(self) -> bool:
         return self.presence == 0.0 and self.frequency == 0.0 and self.repetition == 1.0
 
+    def replace_unset(
+        self, presence: float | None, frequency: float | None, repetition: float | None
+    ) -> Penalties:
+        """These penalties with each one given (not None) replaced."""
+        return Penalties(
+            self.presence if presence is None else presence,
+            self.frequency if frequency is None else frequency,
+            self.repetition if repetition is None else repetition,
+        )
+
 
 NO_PENALTIES = Penalties()
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request gets for a sampling field it leaves out; None: not set at this level.
+    The engine's settings come first, then the model's generation_config, then greedy
+    decoding without penalties (GREEDY)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    def over(self, fallback: GenerationDefaults) -> GenerationDefaults:
+        """These defaults, each one left None taken from `fallback`."""
+        return GenerationDefaults(
+            *(
+                mine if mine is not None else theirs
+                for mine, theirs in zip(self._values(), fallback._values(), strict=True)
+            )
+        )
+
+    def _values(self) -> tuple[float | None, ...]:
+        return (
+            self.temperature,
+            self.top_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+        )
+
+    @property
+    def penalties(self) -> Penalties:
+        return NO_PENALTIES.replace_unset(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty
+        )
+
+
+GREEDY = GenerationDefaults(0.0, 1.0, 0.0, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -105,8 +155,9 @@ class GenerateRequest:
     selection: Selection | None = None
     max_recompute_ratio: float | None = None
     max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
+    # None: the engine's default (GenerationDefaults: its settings, the model's, greedy).
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -140,21 +191,29 @@ class GenerateRequest:
             raise InvalidRequestError("max_recompute_ratio bounds recompute_ratio 'auto' only")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        temperature, top_p = self.temperature, self.top_p
+        if temperature is not None and not (math.isfinite(temperature) and temperature >= 0.0):
+            raise InvalidRequestError(f"temperature must be >= 0, got {temperature}")
+        if top_p is not None and not (0.0 < top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
         self.penalties(NO_PENALTIES)  # raises for a penalty out of range
 
     def penalties(self, default: Penalties) -> Penalties:
         """The request's penalties, each one it leaves None taken from `default`."""
-        return Penalties(
-            default.presence if self.presence_penalty is None else self.presence_penalty,
-            default.frequency if self.frequency_penalty is None else self.frequency_penalty,
-            default.repetition if self.repetition_penalty is None else self.repetition_penalty,
+        return default.replace_unset(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty
         )
+
+    def sampling(self, defaults: GenerationDefaults) -> tuple[float, float, Penalties]:
+        """Temperature, top_p and penalties: the request's, else `defaults`' (resolved down to
+        GREEDY)."""
+        resolved = defaults.over(GREEDY)
+        temperature = self.temperature if self.temperature is not None else resolved.temperature
+        top_p = self.top_p if self.top_p is not None else resolved.top_p
+        assert temperature is not None and top_p is not None
+        return temperature, top_p, self.penalties(resolved.penalties)
 
 
 @dataclass

@@ -45,8 +45,8 @@ class RagRequest:
     max_recompute_ratio: float | None = None
     selection: Selection | None = None
     max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the engine's default
+    top_p: float | None = None
     seed: int | None = None
     # None: the engine's default (its presence_penalty, frequency_penalty, repetition_penalty).
     presence_penalty: float | None = None

@@ -86,7 +86,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         prefill_batch_tokens=settings.prefill_batch_tokens,
         cuda_graph_max_batch=settings.cuda_graph_max_batch,
         decode_attention=settings.decode_attention,
-        default_penalties=settings.default_penalties,
+        generation_defaults=settings.generation_defaults,
         shadow=ShadowConfig(
             fraction=settings.shadow_fraction,
             max_tokens=settings.shadow_max_tokens,

@@ -14,11 +14,12 @@ from common.contract import (
     MAX_ADDITIVE_PENALTY,
     MAX_PRECOMPUTE_CHUNKS,
     MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
     MAX_TOKENS_LIMIT,
     RecomputeRatio,
     Selection,
 )
-from engine.types import DEFAULT_RECOMPUTE_RATIO, DecodeAttention, Penalties
+from engine.types import DEFAULT_RECOMPUTE_RATIO, DecodeAttention, GenerationDefaults
 from kvstore.admission import PolicyName
 from kvstore.codec import Encoding
 from kvstore.remote_tier import check_url
@@ -181,22 +182,33 @@ class EngineSettings(BaseSettings):
         description="the largest ratio recompute_ratio auto may choose (a request's "
         "max_recompute_ratio bounds its own)",
     )
-    # Defaults of requests that leave a penalty unset; `ragblend up` sets those measured for
-    # the bundled model (README, "Generation defaults"); neutral for any other model.
-    repetition_penalty: float = Field(
-        1.0,
+    # Defaults of requests that leave a sampling field unset. Unset here: the model's
+    # generation_config.json, else greedy decoding without penalties. `ragblend up` sets those
+    # measured for the bundled model (README, "Generation defaults").
+    temperature: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_TEMPERATURE,
+        description="default temperature of requests (0: greedy); unset: the model's, else 0",
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="default top_p of requests; unset: the model's, else 1"
+    )
+    repetition_penalty: float | None = Field(
+        None,
         gt=0,
         le=MAX_REPETITION_PENALTY,
-        description="default repetition_penalty of requests (1: off; vLLM's meaning)",
+        description="default repetition_penalty of requests (1: off; vLLM's meaning); unset: "
+        "the model's, else 1",
     )
-    frequency_penalty: float = Field(
-        0.0,
+    frequency_penalty: float | None = Field(
+        None,
         ge=-MAX_ADDITIVE_PENALTY,
         le=MAX_ADDITIVE_PENALTY,
         description="default frequency_penalty of requests (0: off; OpenAI's meaning)",
     )
-    presence_penalty: float = Field(
-        0.0,
+    presence_penalty: float | None = Field(
+        None,
         ge=-MAX_ADDITIVE_PENALTY,
         le=MAX_ADDITIVE_PENALTY,
         description="default presence_penalty of requests (0: off; OpenAI's meaning)",
@@ -269,8 +281,14 @@ class EngineSettings(BaseSettings):
         return self
 
     @property
-    def default_penalties(self) -> Penalties:
-        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+    def generation_defaults(self) -> GenerationDefaults:
+        return GenerationDefaults(
+            self.temperature,
+            self.top_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+        )
 
     @property
     def torch_dtype_name(self) -> str:

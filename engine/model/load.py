@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from engine.errors import ModelNotFoundError, ModelNotSupportedError
 from engine.model.gguf import convert_gguf, is_gguf
+from engine.types import GenerationDefaults
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,24 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     path: str
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults the checkpoint's generation_config.json sets (vLLM's
+        `--generation-config auto`): its temperature, top_p and repetition_penalty, each only
+        where the file names it; none without the file."""
+        config = getattr(self.model, "generation_config", None)
+        given = config.to_diff_dict() if config is not None else {}
+
+        def value(name: str) -> float | None:
+            found = given.get(name)
+            return float(found) if isinstance(found, int | float) else None
+
+        return GenerationDefaults(
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            repetition_penalty=value("repetition_penalty"),
+        )
 
     @property
     def name(self) -> str:

@@ -198,7 +198,7 @@ class Executor:
         seq.shadow = self.shadow.sample(
             request.mode,
             seq.layout.token_ids,
-            request.temperature == 0.0 and seq.penalties.neutral,
+            seq.sampler.temperature == 0.0 and seq.penalties.neutral,
             prefill.blend.fell_back_to_full_prefill,
             lambda: kv.read(0, kv.num_tokens),
         )

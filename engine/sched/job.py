@@ -12,7 +12,14 @@ from engine.blend.layout import PromptLayout
 from engine.sched.detokenize import IncrementalText
 from engine.sched.sampling import Sampler
 from engine.sched.sequence import Sequence
-from engine.types import GenerateRequest, GenerateResult, Mode, Penalties, TokenDelta
+from engine.types import (
+    GenerateRequest,
+    GenerateResult,
+    GenerationDefaults,
+    Mode,
+    Penalties,
+    TokenDelta,
+)
 
 if TYPE_CHECKING:
     from engine.blend.budget import StepBudget
@@ -48,9 +55,10 @@ def new_job(
     request: GenerateRequest,
     layout: PromptLayout,
     tokenizer: object,
-    default_penalties: Penalties,
+    defaults: GenerationDefaults,
     emit: Callable[[Event], None],
 ) -> Job:
+    temperature, top_p, penalties = request.sampling(defaults)
     return Job(
         num_prompt_tokens=layout.num_tokens,
         max_tokens=request.max_tokens,
@@ -58,9 +66,9 @@ def new_job(
         shared_prefix=() if request.mode is Mode.FULL_PREFILL else layout.prefix,
         request=request,
         layout=layout,
-        sampler=Sampler(request.temperature, request.top_p, request.seed),
+        sampler=Sampler(temperature, top_p, request.seed),
         text=IncrementalText(tokenizer, request.stop),
         emit=emit,
         arrival_s=time.perf_counter(),
-        penalties=request.penalties(default_penalties),
+        penalties=penalties,
     )

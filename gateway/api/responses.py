@@ -29,7 +29,8 @@ _DEPENDENCY = {
     "s504": "a dependency did not answer in time",
 }
 _POSTED = {
-    "s400": "a body that cannot be parsed (not UTF-8, a multipart without boundary)",
+    "s400": "a body that cannot be parsed (not UTF-8, a multipart without boundary); on the "
+    "OpenAI routes also a field that would change the output and is not supported",
     "s403": "a collection the API key may not use, or a foreign Origin",
     "s413": "request body too large",
     "s415": "content type not accepted",

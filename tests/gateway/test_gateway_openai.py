@@ -136,3 +136,48 @@ def test_openai_penalties_out_of_range_are_a_422_naming_the_field(client, field,
         response = client.post(path, json={**body, "max_tokens": 2, field: value})
         assert response.status_code == 422, response.text
         assert field in response.json()["detail"]
+
+
+CHAT = {"messages": [{"role": "user", "content": "Kessa pass?"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logit_bias": {"42": 10}}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs, top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 2}, "n"),
+        ({"top_k": 5}, "top_k"),
+    ],
+)
+def test_a_field_that_would_change_the_output_and_is_unsupported_is_a_400_naming_it(
+    client, fields, named
+):
+    for path, body in (
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", {"prompt": "Kessa pass?", "max_tokens": 2}),
+    ):
+        response = client.post(path, json={**body, **fields})
+        assert response.status_code == 400, response.text
+        assert response.json()["detail"].startswith(f"not supported: {named} ")
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_harmless_fields_and_what_asks_for_nothing_are_accepted(client):
+    harmless = {"user": "u-1", "metadata": {"app": "x"}, "store": False}
+    nothing = {"logprobs": False, "response_format": {"type": "text"}, "tool_choice": "none"}
+    response = client.post("/v1/chat/completions", json={**CHAT, **harmless, **nothing})
+    assert response.status_code == 200, response.text
+
+
+def test_a_request_without_temperature_gets_the_engines_default_not_openais(client):
+    # The tiny model sets no sampling defaults: the engine decodes greedily, where OpenAI's
+    # 1.0 would sample.
+    plain = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 16}).json()
+    greedy = client.post(
+        "/v1/chat/completions", json={**CHAT, "max_tokens": 16, "temperature": 0}
+    ).json()
+    assert plain["choices"][0]["message"] == greedy["choices"][0]["message"]

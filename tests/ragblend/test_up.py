@@ -368,10 +368,14 @@ def test_up_runs_n_engines_sharing_a_supervised_redis_and_stops_them_all(tiny_mo
         assert not ping(redis_port)
 
 
-def test_the_bundled_model_gets_its_measured_frequency_penalty_unless_one_is_set():
+def test_the_bundled_model_gets_its_measured_generation_defaults_unless_one_is_set():
     from ragblend.model import engine_env_for
 
-    assert engine_env_for({}, bundled=True)["RAGBLEND_ENGINE_FREQUENCY_PENALTY"] == "0.3"
-    chosen = {"RAGBLEND_ENGINE_FREQUENCY_PENALTY": "0"}
-    assert engine_env_for(chosen, bundled=True) == chosen
-    assert "RAGBLEND_ENGINE_FREQUENCY_PENALTY" not in engine_env_for({}, bundled=False)
+    bundled = engine_env_for({}, bundled=True)
+    assert bundled["RAGBLEND_ENGINE_FREQUENCY_PENALTY"] == "0.3"
+    assert bundled["RAGBLEND_ENGINE_TEMPERATURE"] == "0"
+    chosen = {"RAGBLEND_ENGINE_FREQUENCY_PENALTY": "0", "RAGBLEND_ENGINE_TEMPERATURE": "0.7"}
+    assert engine_env_for(chosen, bundled=True).items() >= chosen.items()
+    other = engine_env_for({}, bundled=False)
+    assert "RAGBLEND_ENGINE_FREQUENCY_PENALTY" not in other
+    assert "RAGBLEND_ENGINE_TEMPERATURE" not in other

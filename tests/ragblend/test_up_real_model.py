@@ -1,5 +1,6 @@
 """`ragblend up` as a new user meets it: no --model, no --documents; SmolLM2 from its package,
-the bundled real documents, and the banner's question answered with the right fact."""
+the bundled real documents, and the banner's question answered with the right fact, also to
+the `openai` client with its default arguments."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 
 from ragblend.banner import read_questions
@@ -70,6 +72,14 @@ def test_up_by_default_serves_smollm2_and_answers_the_banner_question(smollm2_di
         assert response.status_code == 200, response.text
         answer = response.json()["answer"]
         assert expected.fact in answer, answer
+        # The openai client with its default arguments: no temperature, so the engine's
+        # defaults for the bundled model, not OpenAI's 1.0 (noise from a 135M model).
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=600)
+        chat = client.chat.completions.create(
+            model=health["model"], messages=[{"role": "user", "content": expected.question}]
+        )
+        reply = chat.choices[0].message.content
+        assert reply is not None and expected.fact in reply, reply
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=90) == 0

@@ -151,6 +151,13 @@ async def _start(
     settings: GatewaySettings,
     key: ApiKey | None,
 ) -> _Run:
+    unsupported = body.unsupported()
+    if unsupported:
+        raise HTTPException(
+            400,
+            detail=f"not supported: {', '.join(unsupported)} (docs/gateway.md lists the "
+            "fields ragblend supports; user, metadata and store are ignored)",
+        )
     rag = rag_request(
         question,
         system,

@@ -33,6 +33,7 @@ from gateway.api.schemas.query import (
     PENALTY_DESCRIPTION,
     RECOMPUTE_RATIO_DESCRIPTION,
     RETRIEVAL_DESCRIPTION,
+    SAMPLING_DEFAULT_DESCRIPTION,
     SELECTION_DESCRIPTION,
     SourceOut,
 )
@@ -87,15 +88,38 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# Fields that change nothing ragblend returns: accepted and ignored, as OpenAI's clients and
+# frameworks send them.
+IGNORED_FIELDS = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "safety_identifier",
+        "prompt_cache_key",
+    }
+)
+# Values of unsupported fields that ask for nothing (what a client sends by default).
+_NOTHING_ASKED: tuple[object, ...] = (None, False, 0, "none", {}, [], {"type": "text"})
+
+
 class _SamplingRequest(BaseModel):
-    # OpenAI clients send fields we have no use for (user, logit_bias…); they are ignored.
-    model_config = ConfigDict(extra="ignore")
+    # Every other field is kept (extra="allow") so that `unsupported` can name it: a field
+    # that would change the output, and that ragblend does not do, is a 400, not ignored.
+    model_config = ConfigDict(extra="allow")
 
     model: Text | None = Field(None, max_length=200)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: TopP = 1.0
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    # Unset: the engine's default (its setting, else the model's generation_config, else
+    # greedy), as vLLM applies a model's generation_config; not OpenAI's 1.0, which a small
+    # model turns into noise.
+    temperature: float | None = Field(
+        None, ge=0, le=2, allow_inf_nan=False, description=SAMPLING_DEFAULT_DESCRIPTION
+    )
+    top_p: TopP | None = Field(None, description=SAMPLING_DEFAULT_DESCRIPTION)
+    n: int = Field(1, ge=1, description="one choice per request (more: a 400)")
     seed: Seed | None = None
     presence_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
     frequency_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
@@ -105,6 +129,17 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     rag: RagOptions = Field(default_factory=RagOptions)
+
+    def unsupported(self) -> list[str]:
+        """The fields of this request that would change the output and that ragblend does not
+        support (tools, logit_bias, logprobs, response_format other than text, n > 1, any
+        field it does not know), by name; empty when it asks only for what is supported."""
+        named = [
+            name
+            for name, value in (self.model_extra or {}).items()
+            if name not in IGNORED_FIELDS and not any(value == v for v in _NOTHING_ASKED)
+        ]
+        return (["n"] if self.n > 1 else []) + sorted(named)
 
     @property
     def stop_list(self) -> tuple[str, ...]:

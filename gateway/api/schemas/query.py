@@ -53,7 +53,12 @@ SELECTION_DESCRIPTION = (
     "default: the engine's selection setting; see docs/quality.md#token-selection"
 )
 PENALTY_DESCRIPTION = (
-    "default: the engine's setting of the same name (neutral but for the bundled model)"
+    "default: the engine's setting of the same name, else the model's generation_config, "
+    "else neutral"
+)
+SAMPLING_DEFAULT_DESCRIPTION = (
+    "default: the engine's setting of the same name, else the model's generation_config, "
+    "else greedy decoding (temperature 0, top_p 1)"
 )
 
 
@@ -68,8 +73,8 @@ class QueryRequest(BaseModel):
     max_recompute_ratio: Ratio | None = Field(None, description=MAX_RECOMPUTE_RATIO_DESCRIPTION)
     selection: Selection | None = Field(None, description=SELECTION_DESCRIPTION)
     max_tokens: int | None = Field(None, ge=1, description="default: default_max_tokens")
-    temperature: Temperature = 0.0
-    top_p: TopP = 1.0
+    temperature: Temperature | None = Field(None, description=SAMPLING_DEFAULT_DESCRIPTION)
+    top_p: TopP | None = Field(None, description=SAMPLING_DEFAULT_DESCRIPTION)
     seed: Seed | None = None
     presence_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)
     frequency_penalty: AdditivePenalty | None = Field(None, description=PENALTY_DESCRIPTION)

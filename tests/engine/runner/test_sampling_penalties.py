@@ -10,7 +10,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.runner.penalties import PenaltyState
-from engine.types import NO_PENALTIES, GenerateRequest, Mode, Penalties
+from engine.types import NO_PENALTIES, GenerateRequest, GenerationDefaults, Mode, Penalties
 
 VOCAB = 7
 
@@ -174,13 +174,16 @@ def test_the_engines_default_penalties_fill_what_a_request_leaves_unset(engine_f
     explicit = engine.generate(
         request(chunks, mode=Mode.FULL_PREFILL, repetition_penalty=1.8, frequency_penalty=0.5)
     ).token_ids
-    engine.default_penalties = Penalties(frequency=0.5, repetition=1.8)
+    before, engine.defaults = (
+        engine.defaults,
+        GenerationDefaults(frequency_penalty=0.5, repetition_penalty=1.8),
+    )
     try:
         defaulted = engine.generate(request(chunks, mode=Mode.FULL_PREFILL)).token_ids
         overridden = engine.generate(
             request(chunks, mode=Mode.FULL_PREFILL, repetition_penalty=1.0, frequency_penalty=0.0)
         ).token_ids
     finally:
-        engine.default_penalties = NO_PENALTIES
+        engine.defaults = before
     assert defaulted == explicit != plain
     assert overridden == plain
