@@ -84,8 +84,7 @@ class ChunkPrecompute:
         """Queue the KV of chunks a prefill found missing (in every tier) as background work;
         one that finds the queue full is dropped (the next prompt that misses it asks again)."""
         for tokens in missing:
-            self.worker.background.offer(functools.partial(self._compute, tokens))
-        self.worker.wake()
+            self.worker.offer(functools.partial(self._compute, tokens))
 
     def _missing(self, chunks: list[tuple[int, ...]]) -> list[tuple[int, ...] | None]:
         """Each chunk's tokens, or None where the store has its KV already."""
@@ -99,11 +98,8 @@ class ChunkPrecompute:
         all or none (BackgroundQueueFullError)."""
         missing = [tokens for tokens in chunks if tokens is not None]
         futures = iter(
-            self.worker.background.submit_all(
-                functools.partial(self._compute, tokens) for tokens in missing
-            )
+            self.worker.submit_all([functools.partial(self._compute, t) for t in missing])
         )
-        self.worker.wake()
         return [ChunkWrite(skipped=True) if t is None else next(futures) for t in chunks]
 
     def _compute(self, tokens: tuple[int, ...], budget: StepBudget) -> Pausable[ChunkWrite]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.sched.background import BackgroundQueue, once
+from engine.sched.background import BackgroundQueue, Start, once
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,22 @@ class Worker:
             future = self.background.submit_unbounded(once(fn))
             self._cond.notify()
         return future
+
+    def submit_all(self, starts: list[Start]) -> list[Future]:
+        """Queue bounded background tasks, all or none (BackgroundQueue.submit_all)."""
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the engine is closed")
+            futures = self.background.submit_all(starts)
+            self._cond.notify()
+        return futures
+
+    def offer(self, start: Start) -> None:
+        """Queue a bounded task when there is room, else drop it (counted); nothing once
+        closing: a task queued then would never run."""
+        with self._cond:
+            if not self._closing and self.background.offer(start) is not None:
+                self._cond.notify()
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.submit(fn))

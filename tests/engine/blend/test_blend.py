@@ -238,7 +238,10 @@ def test_uncached_chunk_is_computed_in_full_and_written_back(engine_for, make_ch
     assert engine.store.lookup([fresh_key])[0] is not None
     stored = read_entry(engine.store, fresh_key)
     expected = engine.prefiller.compute_chunk_kv(engine.prompts.chunk_tokens(fresh.text))
-    torch.testing.assert_close(stored.keys, expected.keys, rtol=0, atol=0)
+    # The write-back ran in pieces between engine steps: other row blocks, so float32 rounding
+    # (not the values) may differ from the chunk computed in one piece.
+    torch.testing.assert_close(stored.keys, expected.keys, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(stored.values, expected.values, rtol=RTOL, atol=ATOL)
 
 
 def test_prefix_cache_mode_reuses_only_the_prompt_prefix(engine_for, make_chunks):

@@ -97,3 +97,10 @@ def test_under_load_a_precompute_runs_one_piece_after_each_step(checkpoint_dir, 
     waited = [(a, b) for (a, waiting), (b, _) in zip(steps, steps[1:], strict=False) if waiting]
     assert len(waited) > 2
     assert all(b - a == 1 for a, b in waited)
+
+
+def test_a_precompute_after_close_is_refused_not_left_waiting(checkpoint_dir, make_chunks):
+    engine = Engine.from_pretrained(checkpoint_dir("llama"))
+    engine.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.precompute(make_chunks(1, seed=9))
