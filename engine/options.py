@@ -69,8 +69,8 @@ class EngineOptions:
 
 def prefill_batch_default(device_type: str) -> int:
     """Prefills admitted together run side by side while their prompts total at most this
-    many tokens: 2048 on the CPU, where 8 prompts of 342 tokens side by side took 0.82x their
-    time one after another (full prefill; cacheblend 0.60x) but 8 of 3158 took 1.46x (one
-    prompt's forward already keeps the cores busy, and the batch only delays the first ones'
-    tokens; bench/prefill_batch.py). 16384 on a GPU, where a short prompt leaves it idle."""
+    many tokens: 2048 on the CPU, where short prompts side by side beat one after another but
+    long ones lose (one prompt's forward already keeps the cores busy, and the batch only
+    delays the first ones' tokens; docs/engine.md, "Several prefills in one forward").
+    16384 on a GPU, where a short prompt leaves it idle."""
     return 2048 if device_type == "cpu" else 16384

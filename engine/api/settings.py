@@ -184,7 +184,7 @@ class EngineSettings(BaseSettings):
     )
     # Defaults of requests that leave a sampling field unset. Unset here: the model's
     # generation_config.json, else greedy decoding without penalties. `ragblend up` sets those
-    # measured for the bundled model (README, "Generation defaults").
+    # measured for the bundled model (docs/benchmarks/generation-defaults.md).
     temperature: float | None = Field(
         None,
         ge=0,

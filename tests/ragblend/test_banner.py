@@ -65,3 +65,14 @@ def test_every_bundled_sample_question_names_a_bundled_document_holding_its_fact
     assert questions
     for question in questions:
         assert question.fact in (SAMPLES_DIR / question.source).read_text()
+
+
+def test_the_sample_documents_are_the_docs_pages_themselves():
+    """`make run` answers from the docs as they are: each sample page is a link to docs/, never
+    a copy that drifts."""
+    docs = (SAMPLES_DIR.parent.parent / "docs").resolve()
+    pages = sorted(SAMPLES_DIR.glob("*.md"))
+    assert pages
+    for page in pages:
+        assert page.is_symlink() and page.resolve().parent == docs, page.name
+        assert page.read_text() == (docs / page.name).read_text()
