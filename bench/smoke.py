@@ -1,5 +1,6 @@
-"""Smoke run of the engine and serving benchmarks: each script in a subprocess with the smallest
-arguments that still take its whole code path on the CPU, its files written to a scratch folder.
+"""Smoke run of the engine and serving benchmarks (bench/) and the experiments (research/): each
+script in a subprocess with the smallest arguments that still take its whole code path on the CPU,
+its files written to a scratch folder.
 
     .venv/bin/python bench/smoke.py                        # every case below, ~3 min on 2 cores
     .venv/bin/python bench/smoke.py serving kv_pipeline    # those cases only
@@ -16,7 +17,7 @@ model, with the retriever's MiniLM over the few questions' documents.
 
 Not covered:
 - chaos.py, chaos_cluster.py: engines, a gateway and redis-server as processes, killed for a
-  minute at least (tests/test_chaos_soak.py runs a short soak).
+  minute at least (tests/chaos/test_chaos_soak.py runs a short soak).
 - scale.py: engines, a gateway and Redis as processes, 20 s of load per engine count.
 - load.py: a load generator against a running stack (`--url`).
 - retriever_memory.py: a retriever process under rounds of 100K-character ingests.
@@ -42,7 +43,6 @@ from pathlib import Path
 
 from paths import COMMITTED_PLOTS, COMMITTED_RESULTS, OUT_ENV, ROOT
 
-BENCH = Path(__file__).resolve().parent
 # A case takes ~2-40 s on 2 cores; the limit only stops a hung benchmark.
 RUN_TIMEOUT_S = 300.0
 STDERR_TAIL_LINES = 30
@@ -62,6 +62,11 @@ class Case:
 
     name: str
     runs: tuple[str, ...]
+    folder: str = "bench"  # or research/: an experiment whose answer became a default
+
+    @property
+    def script(self) -> str:
+        return f"{self.folder}/{self.name}.py"
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,12 @@ class Outcome:
 
 
 CASES = (
-    Case("cache_churn", ("--quick",)),
-    Case("kv_codec", ("--layers 2 --kv-heads 2 --tokens 64 --head-dim 64 --chunks 2 --repeats 1",)),
+    Case("cache_churn", ("--quick",), "research"),
+    Case(
+        "kv_codec",
+        ("--layers 2 --kv-heads 2 --tokens 64 --head-dim 64 --chunks 2 --repeats 1",),
+        "research",
+    ),
     Case(
         "engine_ttft",
         (
@@ -100,14 +109,17 @@ CASES = (
     Case(
         "prefill_batch",
         (f"{MODEL} --arrivals 3 --chunks 1 --chunk-tokens 64 --batch-tokens 320 --repeats 1",),
+        "research",
     ),
     Case(
         "prefill_pieces",
         (f"{MODEL} --chunks 2 --chunk-tokens 64 --budgets 64 --rounds 1",),
+        "research",
     ),
     Case(
         "decode_fused",
         (f"{MODEL} --chunks 2 --chunk-tokens 64 --decodes 2 --budget 64 --context 64 --rounds 1",),
+        "research",
     ),
     Case(
         "step_budget",
@@ -115,6 +127,7 @@ CASES = (
             f"{MODEL} --budgets 64 --requests 2 --gap-s 0.05 --chunks 2 --chunk-tokens 64 "
             "--output-tokens 4",
         ),
+        "research",
     ),
     # Contexts on both sides of the 128-token prefix: the shared-prefix decode skips shorter.
     Case(
@@ -123,6 +136,7 @@ CASES = (
             "--shape llama-124m --slots 2 --max-tokens 32 --trials 1 --batches 1 2 "
             "--contexts 64 200 --repeats 1 --prefix 128",
         ),
+        "research",
     ),
     Case("serving", (SERVING, f"{SERVING} --from-csv")),
     # Three questions: one of each kind. Each of the script's modes is a run of its own.
@@ -133,8 +147,9 @@ CASES = (
             "--questions 3 --baselines",
             "--questions 3 --kv-encodings none int8",
         ),
+        "research",
     ),
-    Case("retrieval_quality", ("--questions 3 --collection-size 3",)),
+    Case("retrieval_quality", ("--questions 3 --collection-size 3",), "research"),
 )
 
 
@@ -178,9 +193,9 @@ def run_case(case: Case, folder: Path) -> Outcome:
     before = committed_files()
     started = time.perf_counter()
     for number, run in enumerate(case.runs, 1):
-        command = [sys.executable, str(BENCH / f"{case.name}.py"), *shlex.split(run)]
+        command = [sys.executable, str(ROOT / case.script), *shlex.split(run)]
         which = f"run {number}/{len(case.runs)}: " if len(case.runs) > 1 else ""
-        line = f"python bench/{case.name}.py {run}"
+        line = f"python {case.script} {run}"
         try:
             done = subprocess.run(
                 command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S

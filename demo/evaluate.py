@@ -1,5 +1,5 @@
 """Answer held-out questions with the engine in one mode and score them (exact match, F1, KV
-and teacher-forced deviation from full prefill); shared by bench/quality.py and tests/demo."""
+and teacher-forced deviation from full prefill); shared by research/quality.py and tests/demo."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from evaluation.runner import Setting as Config
 from evaluation.runner import as_chunks
 from evaluation.teacher_forcing import answer_logits, greedy_answer, teacher_forced
 
-# Imported from here by bench/quality.py and tests/demo.
+# Imported from here by research/quality.py and tests/demo.
 __all__ = [
     "Config",
     "EvalResult",

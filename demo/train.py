@@ -33,7 +33,7 @@ from engine.blend.layout import DEFAULT_SYSTEM_PROMPT, INSTRUCTION, PromptBuilde
 
 log = logging.getLogger("demo.train")
 
-# Validation uses its own seed; bench/quality.py's held-out seed is different again.
+# Validation uses its own seed; research/quality.py's held-out seed is different again.
 VALIDATION_SEED = 999
 # Kind weights (single, multi, context): the context and multi-hop questions are the hard ones.
 TRAIN_WEIGHTS = (1.0, 1.2, 1.4)

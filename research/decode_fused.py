@@ -1,8 +1,8 @@
 """A step that decodes and prefills: the decode as a forward of its own before the prefill's
 piece, against the decode rows fused into the piece's forward, side by side on one model.
 
-    .venv/bin/python bench/decode_fused.py                  # ~3 min on 2 cores
-    .venv/bin/python bench/decode_fused.py --decodes 1 8 --rounds 3
+    .venv/bin/python research/decode_fused.py                  # ~3 min on 2 cores
+    .venv/bin/python research/decode_fused.py --decodes 1 8 --rounds 3
 
 Per (mode, decode batch, variant): one prompt of `--chunks` (6) pooled `--chunk-tokens` (512)
 chunks + a 32-token question prefilled in steps of `--budget` tokens x L token-layers (the
@@ -25,6 +25,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 import torch  # noqa: E402
 from harness import (  # noqa: E402
     SHAPES,

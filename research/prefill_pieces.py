@@ -1,8 +1,8 @@
 """What a prefill costs in pieces: one prompt prefilled whole and in steps of a token budget,
 side by side on one model, the time summed over its pieces against the whole prefill's.
 
-    .venv/bin/python bench/prefill_pieces.py                    # ~2 min on 2 cores
-    .venv/bin/python bench/prefill_pieces.py --budgets 128 512 --rounds 5
+    .venv/bin/python research/prefill_pieces.py                    # ~2 min on 2 cores
+    .venv/bin/python research/prefill_pieces.py --budgets 128 512 --rounds 5
 
 Per (mode, budget): one prompt of `--chunks` (6) pooled `--chunk-tokens` (512) chunks + a
 32-token question, prefilled in steps of `budget` tokens x L token-layers (the engine's step
@@ -25,6 +25,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 from harness import (  # noqa: E402
     SHAPES,
     build_engine,

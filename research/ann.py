@@ -20,7 +20,7 @@ time, memory, recall@5 against flat and one-query latency p50/p99; writes bench/
 #   through VectorIndex.search; recall@5 is against the exact flat answer.
 # - faiss uses `--threads` OpenMP threads for everything (builds; a one-query search uses one).
 #
-# Run: .venv/bin/python bench/ann.py --dist template sentences --sizes 100000 1000000
+# Run: .venv/bin/python research/ann.py --dist template sentences --sizes 100000 1000000
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 import faiss
 import numpy as np
 import psutil

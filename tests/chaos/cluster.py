@@ -1,4 +1,4 @@
-"""The processes of the chaos soak (bench/chaos.py): Redis, a retriever, engines and a gateway on
+"""The processes of the chaos soak (soak.py): Redis, a retriever, engines and a gateway on
 127.0.0.1, each killable with SIGKILL and restartable on its port; Redis audits; SSD bit flips."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import redis
 from kvstore import format as kvformat
 from kvstore.errors import KVEntryError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 KV_PREFIX = "ragblend:kv:"  # kvstore.remote_tier.PREFIX: every entry's Redis key starts so
 HEADER_FIELD = b"h"  # an entry's header field; layer i is field str(i)
 START_TIMEOUT_S = 600.0  # five processes starting at once on 2 cores other jobs keep busy

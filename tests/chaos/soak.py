@@ -1,12 +1,12 @@
 """Chaos soak: 3 engines sharing one small Redis (an SSD tier each), a retriever and a gateway under
 8 closed-loop clients while engines and Redis are killed with SIGKILL and SSD bits flip.
 
-    .venv/bin/python bench/chaos.py --minutes 5
+    .venv/bin/python tests/chaos/soak.py --minutes 5
 
 Every question's greedy answers are known beforehand (full_prefill, and cacheblend with every
 chunk cached); the table counts requests, errors by status, answers that differ, streams cut
-mid-way and poison or orphan entries left in Redis. A benchmark; tests/test_chaos_soak.py runs a
-short one. Its rules: docs/deployment.md, "Scaling engines"."""
+mid-way and poison or orphan entries left in Redis. A benchmark; test_chaos_soak.py beside it
+runs a short one. Its rules: docs/deployment.md, "Scaling engines"."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.chaos_cluster import (  # noqa: E402
+from bench.paths import results_dir  # noqa: E402
+from tests.chaos.cluster import (  # noqa: E402
     START_TIMEOUT_S,
     Cluster,
     ClusterConfig,
@@ -38,7 +39,6 @@ from bench.chaos_cluster import (  # noqa: E402
     audit_redis,
     flip_random_bit,
 )
-from bench.paths import results_dir  # noqa: E402
 
 MODES = ("full_prefill", "cacheblend")
 DOCUMENT_SEEDS = (2024, 2025, 2026, 2027)  # demo.documents.build: 12 documents a seed

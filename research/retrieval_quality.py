@@ -2,18 +2,18 @@
 and hybrid retrieval with one or two hops, and end-to-end exact match of the demo model over
 what was retrieved (full prefill and cacheblend).
 
-    .venv/bin/python bench/retrieval_quality.py --questions 150 --threads 2    # ~5 min
-    .venv/bin/python bench/retrieval_quality.py --top-k 2 3 4    # docs/retriever.md, ~10 min
-    .venv/bin/python bench/retrieval_quality.py --corpus shared --top-k 1 2 3    # ~25 min
+    .venv/bin/python research/retrieval_quality.py --questions 150 --threads 2    # ~5 min
+    .venv/bin/python research/retrieval_quality.py --top-k 2 3 4    # docs/retriever.md, ~10 min
+    .venv/bin/python research/retrieval_quality.py --corpus shared --top-k 1 2 3    # ~25 min
 
 Questions' documents (a passage, or a passage with the pronoun passage that follows it, as in
-bench/quality.py) go into one in-process retriever (RetrieverService, all-MiniLM-L6-v2, flat
+research/quality.py) go into one in-process retriever (RetrieverService, all-MiniLM-L6-v2, flat
 index, 512-token chunks: one chunk per document); each question gets its top-k chunks in each
 retrieval mode and hop count. recall@k: every gold passage is in a retrieved chunk. EM:
 demo.evaluate.answer over the retrieved chunks, in score order ("score": the best first, the
 second hop after the first) and reversed ("best_last": the best chunk next to the question, as
 the gateway's `chunk_order: best_last` lays them out). Setting "gold" is the reference without
-retrieval: the question's own passages, as bench/quality.py asks them.
+retrieval: the question's own passages, as research/quality.py asks them.
 
 --corpus collections (the default): the questions come in collections of --collection-size
 (demo.corpus.held_out_collections) whose documents share no name, one retriever collection
@@ -49,12 +49,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.paths import results_dir, shown  # noqa: E402
-from bench.quality import documents  # noqa: E402
 from demo import MODEL_DIR  # noqa: E402
 from demo.corpus import KINDS, Example, held_out, held_out_collections  # noqa: E402
 from demo.evaluate import Config, answer  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.types import Mode  # noqa: E402
+from research.quality import documents  # noqa: E402
 from retriever.fusion import RETRIEVAL_MODES  # noqa: E402
 
 log = logging.getLogger("bench.retrieval_quality")
@@ -368,7 +368,7 @@ def main() -> None:
                     args.corpus, engine, examples, contexts[setting], setting, order, clean
                 )
         finally:
-            # As in bench/quality.py: a KV write-back still running on the worker thread when
+            # As in research/quality.py: a KV write-back still running on the worker thread when
             # the interpreter exits aborts the process.
             engine.close()
 

@@ -1,17 +1,11 @@
-"""A one-minute chaos soak (bench/chaos.py, real processes on 127.0.0.1): engines and Redis killed
-with SIGKILL and SSD bits flipped under 8 closed-loop clients, and nothing wrong comes out."""
+"""A one-minute chaos soak (soak.py, real processes on 127.0.0.1): engines and Redis killed with
+SIGKILL and SSD bits flipped under 8 closed-loop clients, and nothing wrong comes out."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.service_process import REPO_ROOT
-
-# bench/ is no installed package: the soak is imported from the checkout, as bench scripts are.
-sys.path.insert(0, str(REPO_ROOT))
-from bench.chaos import SoakConfig, run_soak, table  # noqa: E402
+from tests.chaos.soak import SoakConfig, run_soak, table
 
 # 60 s: engines killed at 20 s and 40 s, Redis at 45 s, a bit flipped every 5 s. Fewer
 # questions than the bench, so that taking their reference answers stays short.

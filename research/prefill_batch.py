@@ -2,8 +2,8 @@
 projections and MLPs batched per layer, engine/dense.py) against one after another, all 8 in
 one batch and grouped as the engine groups them (`prefill_batch_tokens`).
 
-    .venv/bin/python bench/prefill_batch.py                  # CPU, llama-124m bf16, ~3 min
-    .venv/bin/python bench/prefill_batch.py --device cuda    # mistral-7b shape
+    .venv/bin/python research/prefill_batch.py                  # CPU, llama-124m bf16, ~3 min
+    .venv/bin/python research/prefill_batch.py --device cuda    # mistral-7b shape
 
 Per (mode, prompt length): `--arrivals` prompts of chunks from the store's memory tier plus a
 32-token question, prefilled by the engine's Prefiller under one unbounded step, timed
@@ -26,6 +26,7 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 import torch  # noqa: E402
 from harness import (  # noqa: E402
     SHAPES,

@@ -1,8 +1,8 @@
 """The step token budget's trade-off: the gap between a decoding sequence's tokens against
 throughput, for several `max_num_batched_tokens` side by side on one model and one store.
 
-    .venv/bin/python bench/step_budget.py                       # 128 256 512, ~5 min on 2 cores
-    .venv/bin/python bench/step_budget.py --budgets 64 128 --modes cacheblend
+    .venv/bin/python research/step_budget.py                       # 128 256 512, ~5 min on 2 cores
+    .venv/bin/python research/step_budget.py --budgets 64 128 --modes cacheblend
 
 Per (mode, budget): a fresh engine (llama-124m shape, bf16, random init) over the same stored
 chunks serves `--requests` requests of 6 pooled 512-token chunks + a 32-token question and 32
@@ -28,6 +28,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 from harness import (  # noqa: E402
     SHAPES,
     build_model,

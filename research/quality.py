@@ -1,8 +1,8 @@
 """Quality of blending on the demo model: exact match, F1, KV deviation and teacher-forced KL from
 full prefill for every mode and recompute ratio, per question kind, with retrieval off and on.
 
-    .venv/bin/python bench/quality.py --threads 2     # 300 held-out test questions, ~4 min
-    .venv/bin/python bench/quality.py --questions 60 --no-retrieval
+    .venv/bin/python research/quality.py --threads 2     # 300 held-out test questions, ~4 min
+    .venv/bin/python research/quality.py --questions 60 --no-retrieval
 
 Held-out questions come in two splits of the corpus generator (demo/corpus.py): `--split
 validation` (seed 1000003) is for choosing runs, `--split test` (seed 2000003, the default) is
@@ -16,14 +16,14 @@ top-k chunks in score order. Writes bench/results/quality.csv, docs/quality_vs_r
 docs/ttft_vs_quality.png, and prints the table; bench/results/quality_binding.csv splits the
 single-hop questions by how many passages state the asked relation (see binding()).
 
-    .venv/bin/python bench/quality.py --kv-encodings none fp8_e4m3 int8    # ~1 min
+    .venv/bin/python research/quality.py --kv-encodings none fp8_e4m3 int8    # ~1 min
 
 instead compares compressed chunk KV (docs/kvstore.md, "Compressed KV"): retrieval off, every
 chunk's stored KV round-tripped through each encoding exactly as the SSD tier stores and reads
 it, cacheblend at --encoding-ratio (0.15); EM, F1 and KV deviation from full prefill and from the
 unquantized store. Writes bench/results/quality_kv_encoding.csv.
 
-    .venv/bin/python bench/quality.py --baselines                          # ~10 min
+    .venv/bin/python research/quality.py --baselines                          # ~10 min
 
 instead asks what the selection adds (retrieval off): cacheblend with HKVD and with a seeded
 random pick of the same budget (engine.selection.Selection), at every ratio, with check layer

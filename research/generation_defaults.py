@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 import torch
 from paths import results_dir, shown
 

@@ -1,8 +1,8 @@
 """Cold SSD reads of chunk KV per encoding: bytes on disk, read time of every layer of every chunk
 (the loader's reads), and read + copy + dequantize on the target device.
 
-    .venv/bin/python bench/kv_codec.py                  # 4 chunks of a 7B-like shape, bf16, CPU
-    .venv/bin/python bench/kv_codec.py --device cuda
+    .venv/bin/python research/kv_codec.py                  # 4 chunks of a 7B-like shape, bf16, CPU
+    .venv/bin/python research/kv_codec.py --device cuda
 
 Writes bench/results/kv_codec-<device>.csv and prints the table (docs/kvstore.md, "Compressed KV").
 """

@@ -1,7 +1,7 @@
 """RSS of a real retriever process over rounds of concurrent large ingests and long searches,
 with glibc's malloc arenas capped (the default) and uncapped; prints a Markdown table.
 
-    .venv/bin/python bench/retriever_memory.py [--rounds 6]
+    .venv/bin/python research/retriever_memory.py [--rounds 6]
 """
 
 from __future__ import annotations

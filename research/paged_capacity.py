@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the reference in tests/
 
+import _on_path  # noqa: E402, F401  (bench/ on sys.path)
 from harness import SHAPES, build_model, default_dtype, interleaved_medians  # noqa: E402
 from paths import results_dir, shown  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Hit rate and blended TTFT of the in-memory tiers' eviction policies (LRU vs W-TinyLFU) under
 cache churn: Zipf-popular chunks mixed with a stream of one-off chunks, and without that stream.
 
-    .venv/bin/python bench/cache_churn.py            # 120k requests, both policies, churn on/off
-    .venv/bin/python bench/cache_churn.py --quick    # a few seconds
+    .venv/bin/python research/cache_churn.py            # 120k requests, both policies, churn on/off
+    .venv/bin/python research/cache_churn.py --quick    # a few seconds
 
 Drives the real `MemoryTier` (kvstore/memory_tier.py) with every policy of kvstore/admission.py
 side by side on the same request trace. The tier measures an entry by `ChunkKV.nbytes`, so each
@@ -245,7 +245,7 @@ def write_markdown(
     entries = int(w.tier_share * w.chunks)
     text = f"""# Memory tier eviction policies under cache churn
 
-`bench/cache_churn.py` drives the real `MemoryTier` with each policy of `kvstore/admission.py`
+`research/cache_churn.py` drives the real `MemoryTier` with each policy of `kvstore/admission.py`
 on the same seeded request trace.
 
     {command}
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         results.extend(run_policy(p, w, trace, churn, model) for p in POLICIES)
     rows = with_ratios(results)
     print(markdown_table(rows))
-    command = " ".join([".venv/bin/python bench/cache_churn.py", *(argv or sys.argv[1:])])
+    command = " ".join([".venv/bin/python research/cache_churn.py", *(argv or sys.argv[1:])])
     write_csv(rows, args.csv)
     write_markdown(rows, w, model, command, args.md)
     plotted = plot(rows, w, args.plot)
