@@ -9,7 +9,7 @@ import threading
 import torch
 
 from kvstore import tiers
-from kvstore.admission import PolicyName, make_policy
+from kvstore.eviction import PolicyName, make_policy
 from kvstore.tiers import MemorySource
 from kvstore.types import ChunkKV, TierStats
 
@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryTier:
-    """ChunkKV by bytes on one device. Thread-safe. `policy` (kvstore/admission.py) picks what
+    """ChunkKV by bytes on one device. Thread-safe. `policy` (kvstore/eviction.py) picks what
     is kept: "tinylfu", whose frequency-aware admission may turn a new entry away (`put` then
     returns its key) so that one-off chunks do not flush the warm ones, or plain "lru"
     (bench/results/cache_churn.md measures both).

@@ -18,9 +18,9 @@ import torch
 
 from kvstore import format as kvformat
 from kvstore import tiers
-from kvstore.admission import POLICIES, PolicyName
 from kvstore.entry_reader import EntryReader
 from kvstore.errors import KVEntryError
+from kvstore.eviction import POLICIES, PolicyName
 from kvstore.loader import KVLayerStream, Loader
 from kvstore.memory_tier import MemoryTier
 from kvstore.remote_tier import RemoteTier, RemoteTierError
@@ -44,7 +44,7 @@ class KVStoreConfig:
     lives there. On the CPU the host tier plays that role, so the engine leaves it at 0.
     `remote_url` (redis:// or rediss://) adds the remote tier after SSD, shared by every
     engine; `remote_timeout_s` bounds each Redis connect and read. `memory_policy` is the
-    eviction policy of host memory and the gpu tier (kvstore/admission.py).
+    eviction policy of host memory and the gpu tier (kvstore/eviction.py).
     """
 
     model_fingerprint: str

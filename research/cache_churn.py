@@ -4,7 +4,7 @@ cache churn: Zipf-popular chunks mixed with a stream of one-off chunks, and with
     .venv/bin/python research/cache_churn.py            # 120k requests, both policies, churn on/off
     .venv/bin/python research/cache_churn.py --quick    # a few seconds
 
-Drives the real `MemoryTier` (kvstore/memory_tier.py) with every policy of kvstore/admission.py
+Drives the real `MemoryTier` (kvstore/memory_tier.py) with every policy of kvstore/eviction.py
 side by side on the same request trace. The tier measures an entry by `ChunkKV.nbytes`, so each
 chunk is one shared 1-element float32 ChunkKV (8 bytes): the policies see keys and byte sizes
 only, and real-size tensors would change nothing but the run time.
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.paths import COMMITTED_RESULTS, plots_dir, results_dir, shown  # noqa: E402
-from kvstore.admission import POLICIES, PolicyName  # noqa: E402
+from kvstore.eviction import POLICIES, PolicyName  # noqa: E402
 from kvstore.memory_tier import MemoryTier  # noqa: E402
 from kvstore.types import ChunkKV  # noqa: E402
 
@@ -245,7 +245,7 @@ def write_markdown(
     entries = int(w.tier_share * w.chunks)
     text = f"""# Memory tier eviction policies under cache churn
 
-`research/cache_churn.py` drives the real `MemoryTier` with each policy of `kvstore/admission.py`
+`research/cache_churn.py` drives the real `MemoryTier` with each policy of `kvstore/eviction.py`
 on the same seeded request trace.
 
     {command}

@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_retriever(args: argparse.Namespace) -> int:
-    from retriever.memory import limit_malloc_arenas
+    from retriever.malloc import limit_malloc_arenas
 
     limit_malloc_arenas()  # before the model and the worker threads allocate
     from retriever.api.main import create_app

@@ -20,8 +20,8 @@ from common.contract import (
     Selection,
 )
 from engine.types import DEFAULT_RECOMPUTE_RATIO, DecodeAttention, GenerationDefaults
-from kvstore.admission import PolicyName
 from kvstore.codec import Encoding
+from kvstore.eviction import PolicyName
 from kvstore.remote_tier import check_url
 
 GIB = 1024**3

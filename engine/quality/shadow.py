@@ -125,7 +125,7 @@ class ShadowStats:
 
 
 @dataclass
-class _Job:
+class _CheckInProgress:
     """A check in progress: full prefill's KV computed so far, its greedy answer and the
     next-token logits at each answer position, then the blend's, teacher-forced."""
 
@@ -160,7 +160,7 @@ class Shadow:
         self.stats = ShadowStats()
         self._rng = rng or random.Random()
         self._queue: collections.deque[ShadowSample] = collections.deque()
-        self._job: _Job | None = None
+        self._job: _CheckInProgress | None = None
         self._started_s = time.monotonic()
         self._listeners: list[Callable[[ShadowReport], None]] = []
         self._reserved: dict[int, int] = {}  # KV bytes held per pending sample (by id)
@@ -271,7 +271,7 @@ class Shadow:
     def _skip(self, reason: str) -> None:
         self.stats.skipped[reason] += 1
 
-    def _end(self, job: _Job) -> None:
+    def _end(self, job: _CheckInProgress) -> None:
         self._job = None
         self._reserved.pop(id(job.sample), None)
         job.sample.kv = None
@@ -287,17 +287,17 @@ class Shadow:
         # The last answer token is only compared, never fed, so it needs no position.
         return len(sample.prompt) + self.config.max_tokens - 1
 
-    def _start(self, sample: ShadowSample) -> _Job:
+    def _start(self, sample: ShadowSample) -> _CheckInProgress:
         ops, shape = self.ops, self.ops.shape
         size = (shape.num_layers, shape.num_kv_heads, self._positions(sample), shape.head_dim)
-        return _Job(
+        return _CheckInProgress(
             sample,
             self.config.max_tokens,
             torch.empty(size, dtype=ops.dtype, device=ops.device),
             torch.empty(size, dtype=ops.dtype, device=ops.device),
         )
 
-    def _advance(self, job: _Job) -> None:
+    def _advance(self, job: _CheckInProgress) -> None:
         """Full prefill in pieces, each attending to the exact KV of those before (what one
         pass computes, up to float rounding), then one greedy token per call; then the same
         answer teacher-forced after the blend's prompt KV, one token per call."""
@@ -322,11 +322,11 @@ class Shadow:
             job.blend_logits.append(self._extend(job, fed).to("cpu", torch.float32))
 
     @staticmethod
-    def _full_answer(job: _Job, logits: torch.Tensor) -> None:
+    def _full_answer(job: _CheckInProgress, logits: torch.Tensor) -> None:
         job.full_logits.append(logits.to("cpu", torch.float32))
         job.tokens.append(int(logits.argmax()))
 
-    def _extend(self, job: _Job, token_ids: tuple[int, ...]) -> torch.Tensor:
+    def _extend(self, job: _CheckInProgress, token_ids: tuple[int, ...]) -> torch.Tensor:
         """Compute positions job.done..len(token_ids)-1 over the KV before them; their last
         position's logits."""
         start, end = job.done, len(token_ids)
@@ -350,7 +350,7 @@ class Shadow:
         job.done = end
         return out.logits
 
-    def _report(self, job: _Job) -> None:
+    def _report(self, job: _CheckInProgress) -> None:
         sample, full = job.sample, job.full_logits[0]
         blend = sample.first_logits
         assert blend is not None

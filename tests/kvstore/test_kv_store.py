@@ -13,7 +13,7 @@ import torch
 
 from kvstore import store as kvstore_store
 from kvstore import tiers
-from kvstore.admission import PolicyName
+from kvstore.eviction import PolicyName
 from kvstore.memory_tier import MemoryTier
 from kvstore.store import KVStore, KVStoreConfig
 from kvstore.types import ChunkKV

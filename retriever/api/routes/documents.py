@@ -33,7 +33,7 @@ from retriever.extract import (
     UnsupportedFileTypeError,
     extract_text,
 )
-from retriever.memory import trim_heap
+from retriever.malloc import trim_heap
 from retriever.metrics import RetrieverMetrics
 from retriever.service import (
     DocumentInput,

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from engine.api.main import kv_store_config
 from engine.api.settings import EngineSettings
 from kvstore import codec
-from kvstore.admission import POLICIES
+from kvstore.eviction import POLICIES
 
 
 def test_an_engine_beyond_loopback_without_a_token_refuses_to_start(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.admission import COUNTER_MAX, FrequencySketch, TinyLFUPolicy
+from kvstore.eviction import COUNTER_MAX, FrequencySketch, TinyLFUPolicy
 from kvstore.memory_tier import MemoryTier
 from kvstore.types import ChunkKV
 
