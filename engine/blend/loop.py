@@ -19,6 +19,7 @@ from engine.blend.prompt_kv import DenseKV, KVOut, PromptKV, device_index
 from engine.blend.selection import Selection, prompt_generator
 from engine.model.attention import AttentionPlan
 from engine.model.layers import LayerOps
+from engine.model.logprobs import Logprobs, logprobs_of
 from kvstore.device_time import DeviceSpan, mark
 from kvstore.types import ChunkKV, LayerStream
 
@@ -51,6 +52,8 @@ class PrefillOutput:
     kv_wait_s: float
     layer_computes: list[LayerCompute] = field(default_factory=list)
     pre_rope_keys: torch.Tensor | None = None  # [L, H_kv, T, D] when the plan asks for them
+    # Of prompt tokens 1..T-1 (each predicted by the positions before it), when the plan asks.
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -188,6 +191,12 @@ def layer_loop(
         )
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
+    prompt_logprobs = None
+    if plan.prompt_logprobs is not None:
+        assert len(positions) == num_tokens, "prompt logprobs need every position computed"
+        # logits [T-1, V]: position p predicts token p + 1.
+        logits = ops.logits_batch(h[:-1])
+        prompt_logprobs = logprobs_of(logits, plan.token_ids[1:], plan.prompt_logprobs)
     return PrefillOutput(
         kv=kv,
         logits=ops.logits(h[-1]),
@@ -195,6 +204,7 @@ def layer_loop(
         kv_wait_s=kv_wait_s,
         layer_computes=layer_computes,
         pre_rope_keys=pre_rope,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
