@@ -134,7 +134,7 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
                 _record(metrics, mode, event)
                 yield sse(response_of(event).model_dump(), "result")
             elif event.text or event.logprobs or event.prompt_logprobs:
-                yield sse(_delta(event).model_dump(exclude_none=True), "delta")
+                yield sse(_delta(event).model_dump(), "delta")
     except Exception:
         log.exception("generation failed")
         metrics.errors.labels("generation").inc()
