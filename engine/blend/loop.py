@@ -194,9 +194,7 @@ def layer_loop(
     prompt_logprobs = None
     if plan.prompt_logprobs is not None:
         assert len(positions) == num_tokens, "prompt logprobs need every position computed"
-        # logits [T-1, V]: position p predicts token p + 1.
-        logits = ops.logits_batch(h[:-1])
-        prompt_logprobs = logprobs_of(logits, plan.token_ids[1:], plan.prompt_logprobs)
+        prompt_logprobs = _prompt_logprobs(ops, h, plan.token_ids, plan.prompt_logprobs)
     return PrefillOutput(
         kv=kv,
         logits=ops.logits(h[-1]),
@@ -206,6 +204,28 @@ def layer_loop(
         pre_rope_keys=pre_rope,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+# Positions whose logits [rows, V] exist at once: a long prompt's would not fit ([T, V] float32
+# is 1.6 GB for 8k positions of a 49k vocabulary).
+PROMPT_LOGITS_ROWS = 256
+
+
+def _prompt_logprobs(
+    ops: LayerOps, h: torch.Tensor, token_ids: tuple[int, ...], top_n: int
+) -> Logprobs:
+    """Of tokens 1..T-1 of the prompt, from the last layer's states h [T, hidden]: position p
+    predicts token p + 1."""
+    states, rows = h[:-1], PROMPT_LOGITS_ROWS
+    parts = [
+        logprobs_of(
+            ops.logits_batch(states[start : start + rows]),
+            token_ids[start + 1 : start + 1 + rows],
+            top_n,
+        )
+        for start in range(0, len(states), rows)
+    ]
+    return Logprobs.concat(parts)
 
 
 def _target(ops: LayerOps, num_tokens: int, out: KVOut) -> PromptKV:

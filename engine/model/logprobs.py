@@ -23,6 +23,15 @@ class Logprobs:
     top_ids: list[list[int]]
     top_logprobs: list[list[float]]
 
+    @classmethod
+    def concat(cls, parts: list[Logprobs]) -> Logprobs:
+        return cls(
+            [t for p in parts for t in p.token_ids],
+            [x for p in parts for x in p.logprobs],
+            [t for p in parts for t in p.top_ids],
+            [x for p in parts for x in p.top_logprobs],
+        )
+
 
 def logprobs_of(logits: torch.Tensor, chosen: Sequence[int], top_n: int) -> Logprobs:
     """The log-softmax of `logits` [N, V] (any float dtype; float32 at least is used) at the

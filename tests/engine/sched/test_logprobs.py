@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.blend import loop
 from engine.errors import InvalidRequestError
 from engine.types import GenerateRequest, Mode
 
@@ -34,7 +35,12 @@ def raw(**fields) -> GenerateRequest:
     return GenerateRequest(question=PROMPT, raw_prompt=True, mode=Mode.FULL_PREFILL, **fields)
 
 
-def test_prompt_logprobs_of_a_full_prefill_equal_the_model_forward(engine, hf_model):
+@pytest.mark.parametrize("rows", [3, 256])
+def test_prompt_logprobs_of_a_full_prefill_equal_the_model_forward(
+    engine, hf_model, monkeypatch, rows
+):
+    # 3: the prompt's logits are computed in pieces of 3 positions.
+    monkeypatch.setattr(loop, "PROMPT_LOGITS_ROWS", rows)
     result = engine.generate(raw(max_tokens=1, prompt_logprobs=3))
     entries = result.prompt_logprobs
     assert entries is not None
