@@ -133,8 +133,10 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
             if isinstance(event, GenerateResult):
                 _record(metrics, mode, event)
                 yield sse(response_of(event).model_dump(), "result")
-            elif event.text or event.logprobs or event.prompt_logprobs:
+            elif event.logprobs is not None or event.prompt_logprobs is not None:
                 yield sse(_delta(event).model_dump(), "delta")
+            elif event.text:
+                yield sse({"text": event.text}, "delta")  # the common case, built cheaply
     except Exception:
         log.exception("generation failed")
         metrics.errors.labels("generation").inc()
