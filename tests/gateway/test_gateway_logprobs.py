@@ -3,6 +3,8 @@ response shapes streamed and not, and the no-rag model id that serves the prompt
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from openai import OpenAI
@@ -169,3 +171,29 @@ def test_echo_and_token_ids_on_the_rag_model_are_a_400_naming_the_no_rag_model(
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert named in response.json()["detail"] and NO_RAG in response.json()["detail"]
+
+
+def test_lm_eval_scores_a_continuation_as_transformers_does(client, hf):
+    """lm-evaluation-harness's own payload and parser (local-completions, docs/evaluation.md)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    model, tokenizer = hf
+    context = tokenizer("The Zorblax river flows")["input_ids"]
+    continuation = tokenizer(" north past the mill")["input_ids"]
+    harness = SimpleNamespace(model=NO_RAG)  # what its payload builder reads of the instance
+    payload = LocalCompletionsAPI._create_payload(harness, [context + continuation])
+    assert payload["echo"] is True and payload["prompt"] == [context + continuation]
+    response = client.post("/v1/completions", json=payload)
+    assert response.status_code == 200, response.text
+    ((score, greedy),) = LocalCompletionsAPI.parse_logprobs(response.json(), ctxlens=[len(context)])
+    with torch.no_grad():
+        logits = model(torch.tensor([context + continuation])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    expected = sum(
+        float(logprobs[len(context) + i - 1, token]) for i, token in enumerate(continuation)
+    )
+    assert score == pytest.approx(expected, abs=1e-4)
+    assert greedy == all(
+        int(logprobs[len(context) + i - 1].argmax()) == token
+        for i, token in enumerate(continuation)
+    )
