@@ -31,6 +31,10 @@ MAX_TEMPERATURE = 10.0
 MAX_TOKENS_LIMIT = 4096
 MAX_CHUNK_ID_CHARS = 256
 MAX_GENERATE_CHUNKS = 1_000
+# Top alternatives of a token's log-probability: OpenAI's bound of top_logprobs (and vLLM's).
+MAX_LOGPROBS = 20
+# Token ids of a raw prompt: the engine's max_model_len bounds them further.
+MAX_PROMPT_TOKEN_IDS = 1_000_000
 MAX_PRECOMPUTE_CHUNKS = 10_000
 # A streamed /v1/generate's response header: the engine's estimate of the seconds the request
 # waits before its prefill starts, taken as it was queued (the gateway's first-event deadline).
@@ -89,6 +93,8 @@ AdditivePenalty = Annotated[
     float, Field(ge=-MAX_ADDITIVE_PENALTY, le=MAX_ADDITIVE_PENALTY, allow_inf_nan=False)
 ]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[int, Field(ge=0)]
 DocIds = Annotated[list[DocId], Field(min_length=1, max_length=MAX_DOC_IDS)]
 Collections = Annotated[list[CollectionName], Field(min_length=1, max_length=MAX_COLLECTIONS)]
 Hops = Annotated[int, Field(ge=1, le=MAX_HOPS)]
@@ -140,7 +146,8 @@ class GenerateBody(BaseModel):
     # question, system and chunk texts: capped by the engine's max_text_chars at its route.
     system: Text | None = None
     chunks: list[ChunkIn] = Field(default_factory=list, max_length=MAX_GENERATE_CHUNKS)
-    question: Text = Field(min_length=1)
+    # Unused with prompt_token_ids (then it may be empty).
+    question: Text = ""
     mode: ModeField = Mode.CACHEBLEND
     # None: the engine's recompute_ratio and selection settings; max_recompute_ratio bounds
     # "auto" only (None: the engine's auto_max_ratio).
@@ -163,8 +170,22 @@ class GenerateBody(BaseModel):
     fit_context: bool = False
     # The chunks come best first; best_last lays them out reversed, the best next to the question.
     chunk_order: ChunkOrderField = ChunkOrder.BEST_FIRST
+    # The prompt as it is (no template, system text or chunks): the question's text, or
+    # these token ids (each below the model's vocabulary size, checked by the engine).
+    raw_prompt: bool = False
+    prompt_token_ids: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
+    # Log-probabilities with this many top alternatives: of each generated token, under the
+    # distribution it was sampled from; of each prompt token (mode full_prefill only).
+    logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None
 
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
+
+    @model_validator(mode="after")
+    def _has_prompt(self) -> GenerateBody:
+        if self.prompt_token_ids is None and not self.question:
+            raise ValueError("question must not be empty (or prompt_token_ids given)")
+        return self
 
     @property
     def stop_list(self) -> list[str]:
@@ -212,6 +233,22 @@ class Blend(BaseModel):
     selection: str  # a Selection's value ("oracle" in research runs)
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    token: str  # the token decoded on its own
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """A token's log-probability (None: a prompt's first token, which nothing predicts) and the
+    most likely tokens at its position, most likely first."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class GenerateResponse(BaseModel):
     """The engine's answer: the JSON body, or the data of the stream's `event: result`."""
 
@@ -222,12 +259,19 @@ class GenerateResponse(BaseModel):
     blend: Blend
     chunk_tiers: list[str | None]
     dropped_chunks: int  # dropped from the end by fit_context; 0 without it
+    # When asked: each generated token's (an EOS that ended it included); each prompt token's.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Delta(BaseModel):
-    """The data of one `event: delta` of a generation's stream."""
+    """The data of one `event: delta` of a generation's stream: text, and when asked the
+    log-probability of the token that gave it (its text may come in a later delta), or once,
+    before the first token, those of the prompt."""
 
     text: str
+    logprobs: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class SearchRequest(BaseModel):

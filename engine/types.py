@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 from common.contract import (
     AUTO_RATIO,
     MAX_ADDITIVE_PENALTY,
+    MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     ChunkOrder,
     Mode,
@@ -141,6 +142,17 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token with its log-probability (None: a prompt's first token, which nothing
+    predicts) and, most likely first, the tokens the request asked to see beside it."""
+
+    token_id: int
+    token: str  # the token decoded on its own
+    logprob: float | None
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One question over chunks. `recompute_ratio=None` takes the engine's default, and so
     do `selection` and each penalty left None (the engine's default penalties).
@@ -167,6 +179,15 @@ class GenerateRequest:
     # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
     fit_context: bool = False
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # applied after fit_context
+    # The prompt as it is, without template, system text or chunks: `question`'s text
+    # tokenized as vLLM's /v1/completions does, or these token ids (then `question` is unused).
+    raw_prompt: bool = False
+    prompt_token_ids: tuple[int, ...] | None = None
+    # Each generated token's log-probability under the distribution it was sampled from, with
+    # this many top alternatives (None: none computed); of every prompt token after the first,
+    # under the model's own distribution (full_prefill only: each position is computed).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse_enum(Mode, self.mode, "mode"))
@@ -175,8 +196,21 @@ class GenerateRequest:
         )
         object.__setattr__(self, "chunks", tuple(self.chunks))
         object.__setattr__(self, "stop", tuple(self.stop))
-        if not self.question.strip():
+        if self.prompt_token_ids is not None:
+            object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+            if not self.prompt_token_ids:
+                raise InvalidRequestError("prompt_token_ids must not be empty")
+        elif not self.question.strip():
             raise InvalidRequestError("question must not be empty")
+        if self.raw_prompt and self.chunks:
+            raise InvalidRequestError("a raw prompt has no chunks")
+        for name, count in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if count is not None and not 0 <= count <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {count}")
+        if self.prompt_logprobs is not None and self.mode is not Mode.FULL_PREFILL:
+            raise InvalidRequestError(
+                "prompt_logprobs needs mode full_prefill (every prompt position computed)"
+            )
         if self.selection is not None:
             object.__setattr__(
                 self, "selection", _parse_enum(Selection, self.selection, "selection")
@@ -269,6 +303,9 @@ class TokenDelta:
 
     text: str
     token_id: int | None
+    logprobs: TokenLogprob | None = None  # of token_id, when the request asked
+    # Sent once, before the first token, when the request asked for them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -307,6 +344,10 @@ class GenerateResult:
     chunk_tiers: list[str | None] = field(default_factory=list)
     load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
     dropped_chunks: int = 0  # by fit_context, from the end of the request's chunks
+    # When the request asked: one per generated token (an EOS that ended it included), and
+    # one per prompt token, the first with logprob None.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

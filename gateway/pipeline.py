@@ -12,7 +12,7 @@ from gateway.clients.engine import EnginePool, EngineStream
 from gateway.clients.retriever import RetrieverClient
 from gateway.errors import GatewayDependencyError
 from gateway.metrics import GatewayMetrics
-from gateway.types import EngineRequest, EngineResult, RagRequest
+from gateway.types import EngineRequest, EngineResult, RagRequest, Source
 
 
 class TimedStream:
@@ -77,12 +77,15 @@ class Pipeline:
     async def start(
         self, rag: RagRequest, *, request_id: str, arrived_at: float
     ) -> AsyncIterator[TimedStream]:
-        """Retrieve the request's chunks (best first, then the second hop's), then open an
-        engine stream over them; leaving the context early cancels the engine's work."""
+        """Retrieve the request's chunks (best first, then the second hop's; none without
+        `retrieve`), then open an engine stream over them; leaving the context early cancels
+        the engine's work."""
         started = time.perf_counter()
-        sources = await self.retriever.search(rag.search(), request_id=request_id)
+        sources: list[Source] = []
+        if rag.retrieve:
+            sources = await self.retriever.search(rag.search(), request_id=request_id)
+            self.metrics.retrieval_seconds.observe(time.perf_counter() - started)
         retrieval_s = time.perf_counter() - started
-        self.metrics.retrieval_seconds.observe(retrieval_s)
         generation = EngineRequest(rag, tuple(sources))
         sent_at = time.perf_counter()
         async with self.engines.generate(generation, request_id=request_id) as stream:

@@ -54,6 +54,12 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(128, ge=1)
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1)
     model_name: str = Field("ragblend", description="model id shown by /v1/models")
+    no_rag_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="second model id of /v1/models: the model without retrieval, the prompt "
+        "sent as it is (None: model_name + '-no-rag')",
+    )
     shutdown_grace_s: float = Field(30.0, ge=0, description="drain time for in-flight streams")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit")
     max_upload_bytes: int = Field(50 << 20, ge=1024, description="POST /v1/documents body limit")
@@ -69,6 +75,11 @@ class GatewaySettings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         [], description="browser origins allowed to call the API (none: CORS off)"
     )
+
+    @property
+    def no_rag_model(self) -> str:
+        """The model id that serves the model without retrieval."""
+        return self.no_rag_model_name or f"{self.model_name}-no-rag"
 
     @field_validator("retriever_url")
     @classmethod

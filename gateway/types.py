@@ -54,6 +54,15 @@ class RagRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # the prompt's; sources stay best first
+    # False: no search, no chunks (the no-rag model id of the OpenAI routes).
+    retrieve: bool = True
+    # The prompt as sent, no template or system text: `question`, or these token ids.
+    raw_prompt: bool = False
+    prompt_token_ids: tuple[int, ...] | None = None
+    # Top alternatives of each generated token's log-probability, and of each prompt token's
+    # (None: not asked).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def search(self) -> SearchRequest:
         return SearchRequest(
@@ -121,6 +130,10 @@ class EngineRequest:
             stream=True,
             fit_context=True,
             chunk_order=rag.chunk_order,
+            raw_prompt=rag.raw_prompt,
+            prompt_token_ids=None if rag.prompt_token_ids is None else list(rag.prompt_token_ids),
+            logprobs=rag.logprobs,
+            prompt_logprobs=rag.prompt_logprobs,
         )
 
 

@@ -13,8 +13,11 @@ from common.contract import (
     GenerateResponse,
     LayerTimings,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
+from engine import types
 from engine.types import Chunk, GenerateRequest, GenerateResult
 
 
@@ -38,6 +41,10 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         ignore_eos=body.ignore_eos,
         fit_context=body.fit_context,
         chunk_order=body.chunk_order,
+        raw_prompt=body.raw_prompt,
+        prompt_token_ids=None if body.prompt_token_ids is None else tuple(body.prompt_token_ids),
+        logprobs=body.logprobs,
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -52,7 +59,25 @@ def response_of(result: GenerateResult) -> GenerateResponse:
         blend=Blend(**vars(result.blend)),
         chunk_tiers=result.chunk_tiers,
         dropped_chunks=result.dropped_chunks,
+        logprobs=logprobs_out(result.logprobs),
+        prompt_logprobs=logprobs_out(result.prompt_logprobs),
     )
+
+
+def logprob_out(entry: types.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=entry.token_id,
+        token=entry.token,
+        logprob=entry.logprob,
+        top_logprobs=[
+            TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)  # type: ignore[arg-type]
+            for t in entry.top
+        ],
+    )
+
+
+def logprobs_out(entries: list[types.TokenLogprob] | None) -> list[TokenLogprob] | None:
+    return None if entries is None else [logprob_out(e) for e in entries]
 
 
 class ErrorOut(BaseModel):

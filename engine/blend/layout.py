@@ -12,7 +12,7 @@ from functools import cached_property
 
 from jinja2 import TemplateError
 
-from engine.errors import PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.types import ChunkOrder, GenerateRequest
 
 # The demo model (demo/) was trained on prompts with exactly this system prompt and instruction:
@@ -82,6 +82,21 @@ class PromptBuilder:
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def raw(self, text: str | None, token_ids: tuple[int, ...] | None) -> PromptLayout:
+        """A prompt as it is, no template, system text or chunks: `token_ids`, else `text`
+        tokenized with the tokenizer's special tokens (as vLLM's /v1/completions does). All of
+        it is the suffix: the prefix cache keys template prefixes, and a raw prompt computes
+        every position."""
+        if token_ids is None:
+            assert text is not None
+            token_ids = tuple(self.tokenizer(text)["input_ids"])
+        vocab_size = len(self.tokenizer)
+        if any(t >= vocab_size for t in token_ids):
+            raise InvalidRequestError(
+                f"prompt_token_ids: every id must be below the vocabulary size {vocab_size}"
+            )
+        return PromptLayout((), (), token_ids)
+
     def chunk_tokens(self, text: str) -> tuple[int, ...]:
         """The tokens of one chunk as it appears in every prompt (separator included)."""
         return self.encode(text.strip() + CHUNK_SEPARATOR)
@@ -122,6 +137,9 @@ def request_layout(
 ) -> PromptLayout:
     """The request's prompt (with `fit_context`, chunks dropped from the end until it fits;
     then, with chunk_order best_last, the kept chunks reversed), checked by `fitting`."""
+    if request.raw_prompt or request.prompt_token_ids is not None:
+        layout = prompts.raw(request.question, request.prompt_token_ids)
+        return fitting(layout, request.max_tokens, max_model_len)
     layout = prompts.build(request.question, [c.text for c in request.chunks], request.system)
     if request.fit_context:
         layout = layout.fitted(max_model_len - request.max_tokens)

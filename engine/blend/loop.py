@@ -19,6 +19,7 @@ from engine.blend.prompt_kv import DenseKV, KVOut, PromptKV, device_index
 from engine.blend.selection import Selection, prompt_generator
 from engine.model.attention import AttentionPlan
 from engine.model.layers import LayerOps
+from engine.model.logprobs import Logprobs, logprobs_of
 from kvstore.device_time import DeviceSpan, mark
 from kvstore.types import ChunkKV, LayerStream
 
@@ -51,6 +52,8 @@ class PrefillOutput:
     kv_wait_s: float
     layer_computes: list[LayerCompute] = field(default_factory=list)
     pre_rope_keys: torch.Tensor | None = None  # [L, H_kv, T, D] when the plan asks for them
+    # Of prompt tokens 1..T-1 (each predicted by the positions before it), when the plan asks.
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -188,6 +191,10 @@ def layer_loop(
         )
 
     assert positions[-1] == num_tokens - 1, "the last prompt position is always computed"
+    prompt_logprobs = None
+    if plan.prompt_logprobs is not None:
+        assert len(positions) == num_tokens, "prompt logprobs need every position computed"
+        prompt_logprobs = _prompt_logprobs(ops, h, plan.token_ids, plan.prompt_logprobs)
     return PrefillOutput(
         kv=kv,
         logits=ops.logits(h[-1]),
@@ -195,7 +202,30 @@ def layer_loop(
         kv_wait_s=kv_wait_s,
         layer_computes=layer_computes,
         pre_rope_keys=pre_rope,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+# Positions whose logits [rows, V] exist at once: a long prompt's would not fit ([T, V] float32
+# is 1.6 GB for 8k positions of a 49k vocabulary).
+PROMPT_LOGITS_ROWS = 256
+
+
+def _prompt_logprobs(
+    ops: LayerOps, h: torch.Tensor, token_ids: tuple[int, ...], top_n: int
+) -> Logprobs:
+    """Of tokens 1..T-1 of the prompt, from the last layer's states h [T, hidden]: position p
+    predicts token p + 1."""
+    states, rows = h[:-1], PROMPT_LOGITS_ROWS
+    parts = [
+        logprobs_of(
+            ops.logits_batch(states[start : start + rows]),
+            token_ids[start + 1 : start + 1 + rows],
+            top_n,
+        )
+        for start in range(0, len(states), rows)
+    ]
+    return Logprobs.concat(parts)
 
 
 def _target(ops: LayerOps, num_tokens: int, out: KVOut) -> PromptKV:

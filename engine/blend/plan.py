@@ -37,6 +37,9 @@ class PrefillPlan:
     # Research only (engine/oracle.py): a score per blended token, in blend_positions order,
     # that ranks them instead of the selection.
     token_scores: tuple[float, ...] | None = None
+    # Top alternatives of each prompt token's log-probability (None: none computed); needs
+    # every position computed through the last layer, as full prefill does.
+    prompt_logprobs: int | None = None
 
     @property
     def num_tokens(self) -> int:

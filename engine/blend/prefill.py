@@ -40,6 +40,7 @@ class PrefillAsk:
     selection: Selection | None = None
     max_recompute_ratio: float | None = None
     token_scores: tuple[float, ...] | None = None
+    prompt_logprobs: int | None = None  # computed only by a full prefill
 
     @classmethod
     def of(
@@ -52,6 +53,7 @@ class PrefillAsk:
             request.selection,
             request.max_recompute_ratio,
             token_scores,
+            request.prompt_logprobs,
         )
 
 
@@ -257,6 +259,7 @@ class Prefiller:
             coverage=choice.coverage,
             min_ratio=choice.min_ratio,
             token_scores=ask.token_scores,
+            prompt_logprobs=ask.prompt_logprobs,
         )
         used = stream if plan.streamed_chunks else None
         if used is not None:

@@ -19,9 +19,10 @@ from engine.quality.shadow import Shadow
 from engine.runner.model_runner import ModelRunner
 from engine.sched.estimate import QueueEstimate
 from engine.sched.job import Job
+from engine.sched.logprobs import prompt_logprobs
 from engine.sched.postprocess import Postprocessor
 from engine.sched.scheduler import Step, prefill_shares
-from engine.types import StepRecord
+from engine.types import StepRecord, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,11 @@ class Executor:
             prefill.blend.fell_back_to_full_prefill,
             lambda: kv.read(0, kv.num_tokens),
         )
+        if output.prompt_logprobs is not None:
+            tokenizer = seq.text.tokenizer
+            found = prompt_logprobs(seq.layout.token_ids, output.prompt_logprobs, tokenizer)
+            seq.prompt_logprobs = found
+            seq.emit(TokenDelta("", None, prompt_logprobs=found))
         logits = output.logits
         if not seq.penalties.neutral:
             self.runner.penalties.start(seq.lane, seq.layout.token_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.blend.layout import PromptLayout
@@ -19,6 +19,7 @@ from engine.types import (
     Mode,
     Penalties,
     TokenDelta,
+    TokenLogprob,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class Job(Sequence):
     scheduled_s: float | None = None
     first_token_s: float | None = None
     shadow: ShadowSample | None = None  # sampled for a shadow check: what the blend gave
+    # Filled only when the request asks for them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def new_job(

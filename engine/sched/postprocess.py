@@ -10,6 +10,7 @@ import torch
 
 from engine.runner.penalties import PenaltyState
 from engine.sched.job import Job
+from engine.sched.logprobs import generated_logprob
 from engine.types import ChunkOrder, GenerateResult, Timings, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,17 @@ class Postprocessor:
             seq.shadow.observe(raw_logits, token)
         if seq.first_token_s is None:
             seq.first_token_s = time.perf_counter()
+        top_n, entry = seq.request.logprobs, None
+        if top_n is not None:
+            entry = generated_logprob(seq.sampler, logits, token, top_n, seq.text.tokenizer)
+            seq.logprobs.append(entry)
         if token in self.eos_ids and not seq.request.ignore_eos:
+            # The EOS that ends it has a log-probability too (vLLM's output lists it).
+            if entry is not None:
+                seq.emit(TokenDelta("", token, entry))
             self.finish(seq, "stop")
             return
-        seq.emit(TokenDelta(seq.text.add(token), token))
+        seq.emit(TokenDelta(seq.text.add(token), token, entry))
         seq.num_output_tokens += 1
         if seq.text.stopped:
             self.finish(seq, "stop")
@@ -94,6 +102,8 @@ def result(seq: Job) -> GenerateResult:
         chunk_tiers=in_request_order(prefill.chunk_tiers, seq.request.chunk_order),
         load_bytes_by_tier=prefill.load_bytes_by_tier,
         dropped_chunks=seq.layout.dropped_chunks,
+        logprobs=None if seq.request.logprobs is None else seq.logprobs,
+        prompt_logprobs=seq.prompt_logprobs,
     )
 
 

@@ -33,10 +33,8 @@ class Sampler:
         a temperature too small to divide by leaves the top token alone, i.e. greedy."""
         if self.temperature == 0.0:
             return int(logits.argmax())
-        # float64 and the max subtracted first: a temperature like 1e-246 (0 in float32) gives
-        # -inf for every token but the top ones, never inf - inf.
         logits64 = logits.detach().to("cpu", torch.float64)
-        probs = torch.softmax((logits64 - logits64.max()) / self.temperature, dim=-1)
+        probs = torch.softmax(self._scaled(logits64), dim=-1)
         if self.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest set whose mass reaches top_p; the top token always stays, even
@@ -49,3 +47,15 @@ class Sampler:
         if not (torch.isfinite(probs).all() and total > 0.0):
             return int(logits64.argmax())  # logits that were not finite: nothing to sample from
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [vocab] whose softmax this sampler draws from, before top-p: float64 on
+        the CPU, divided by the temperature (greedy: as they are). A request's logprobs are
+        their log-softmax."""
+        logits64 = logits.detach().to("cpu", torch.float64)
+        return logits64 if self.temperature == 0.0 else self._scaled(logits64)
+
+    def _scaled(self, logits64: torch.Tensor) -> torch.Tensor:
+        # float64 and the max subtracted first: a temperature like 1e-246 (0 in float32) gives
+        # -inf for every token but the top ones, never inf - inf.
+        return (logits64 - logits64.max()) / self.temperature

@@ -10,17 +10,23 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 
-from common.contract import QUEUE_ESTIMATE_HEADER, GenerateBody, GenerateResponse
+from common.contract import QUEUE_ESTIMATE_HEADER, Delta, GenerateBody, GenerateResponse
 from common.errors import error_body
 from common.request_id import request_id_var
 from common.sse import sse
 from engine.api.deps import EngineDep, MetricsDep, SettingsDep, check_text_limits
-from engine.api.schemas import error_responses, response_of, to_request
+from engine.api.schemas import (
+    error_responses,
+    logprob_out,
+    logprobs_out,
+    response_of,
+    to_request,
+)
 from engine.blend.layout import PromptLayout
 from engine.engine import Engine
 from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
 from engine.streaming import Generation
-from engine.types import GenerateRequest, GenerateResult, Mode
+from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
 from kvstore.loader import KVLayerStream
 
 router = APIRouter()
@@ -127,14 +133,24 @@ async def _stream(generation: Generation, mode: Mode, metrics) -> AsyncIterator[
             if isinstance(event, GenerateResult):
                 _record(metrics, mode, event)
                 yield sse(response_of(event).model_dump(), "result")
+            elif event.logprobs is not None or event.prompt_logprobs is not None:
+                yield sse(_delta(event).model_dump(), "delta")
             elif event.text:
-                yield sse({"text": event.text}, "delta")
+                yield sse({"text": event.text}, "delta")  # the common case, built cheaply
     except Exception:
         log.exception("generation failed")
         metrics.errors.labels("generation").inc()
         yield sse(error_body(generation_failed()), "error")
     finally:
         generation.cancel()
+
+
+def _delta(event: TokenDelta) -> Delta:
+    return Delta(
+        text=event.text,
+        logprobs=None if event.logprobs is None else logprob_out(event.logprobs),
+        prompt_logprobs=logprobs_out(event.prompt_logprobs),
+    )
 
 
 async def _until_done_or_disconnect(generation: Generation, http: Request) -> GenerateResult:

@@ -1,5 +1,6 @@
 """OpenAI-compatible routes: /v1/chat/completions (retrieval over the last user message),
-/v1/completions (over the prompt) and /v1/models; streams end with `data: [DONE]`."""
+/v1/completions (over the prompt) and /v1/models, whose second model id serves the model
+without retrieval (the prompt as sent); streams end with `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
+from dataclasses import replace
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from common.contract import Mode, TokenLogprob
 from common.sse import sse
 from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
 from gateway.api.rag import rag_request
 from gateway.api.responses import GENERATION_ERRORS, KEYED
+from gateway.api.schemas.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.api.schemas.openai import (
     ChatChoice,
     ChatCompletionRequest,
@@ -46,12 +51,19 @@ log = logging.getLogger(__name__)
 STARTED_AT = int(time.time())
 FINISH_REASONS = {"stop", "length"}
 
-ChunkOf = Callable[[str | None, str | None], dict]  # (text delta, finish_reason) -> chunk
+# (text delta, finish_reason, the logprobs of the delta's tokens) -> chunk
+ChunkOf = Callable[[str | None, str | None, list[TokenLogprob] | None], dict]
+PromptChunkOf = Callable[[list[TokenLogprob]], dict]  # the prompt's logprobs -> its echo chunk
 
 
 @router.get("/v1/models", response_model=ModelList, responses=KEYED)
 async def models(settings: SettingsDep) -> ModelList:
-    return ModelList(data=[ModelCard(id=settings.model_name, created=STARTED_AT)])
+    return ModelList(
+        data=[
+            ModelCard(id=settings.model_name, created=STARTED_AT),
+            ModelCard(id=settings.no_rag_model, created=STARTED_AT),
+        ]
+    )
 
 
 @router.post(
@@ -69,23 +81,36 @@ async def chat_completions(
         raise HTTPException(422, detail="messages: no user message with text to answer")
     # The engine's prompt has one system text and one question: earlier turns are not sent.
     system = "\n".join(m.text for m in body.messages if m.role in ("system", "developer"))
-    run = await _start(pipeline, body, users[-1].text, system or None, request, settings, key)
+    run = await _start(
+        pipeline,
+        body,
+        users[-1].text,
+        system or None,
+        request,
+        settings,
+        key,
+        retrieve=body.model != settings.no_rag_model,
+        logprobs=body.logprob_count,
+    )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
 
-    def chunk(text: str | None, finish_reason: str | None) -> dict:
+    def chunk(
+        text: str | None, finish_reason: str | None, entries: list[TokenLogprob] | None
+    ) -> dict:
         delta = {} if text is None else {"content": text}
+        logprobs = None if entries is None else ChatLogprobs.of(entries).model_dump()
         return {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": run.created,
             "model": run.model,
             "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             ],
         }
 
     if body.stream:
-        first = chunk("", None)
+        first = chunk("", None, None)
         first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return run.streaming_response(chunk, first, body.include_usage)
     outcome = await run.collect(request)
@@ -97,6 +122,7 @@ async def chat_completions(
             ChatChoice(
                 message={"role": "assistant", "content": outcome.text},
                 finish_reason=_finish(outcome),
+                logprobs=None if outcome.logprobs is None else ChatLogprobs.of(outcome.logprobs),
             )
         ],
         usage=OpenAIUsage.of(outcome.usage),
@@ -112,34 +138,85 @@ async def completions(
     settings: SettingsDep,
     key: ApiKeyDep,
 ):
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-    if len(prompts) != 1 or not prompts[0].strip():
+    prompt = body.single_prompt()
+    if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
         raise HTTPException(422, detail="prompt: exactly one non-blank prompt is supported")
-    run = await _start(pipeline, body, prompts[0], None, request, settings, key)
+    no_rag = body.model == settings.no_rag_model
+    if not no_rag and (body.echo or isinstance(prompt, tuple)):
+        asked = "echo" if body.echo else "a prompt of token ids"
+        raise HTTPException(
+            400,
+            detail=f"{asked} needs model {settings.no_rag_model!r} (the prompt as sent, "
+            "without retrieval)",
+        )
+    fields: dict[str, Any] = {"logprobs": body.logprobs}
+    if no_rag:
+        # Every position computed: what echo's prompt logprobs need, and a raw prompt reuses
+        # no cache anyway (engine/blend/layout.py).
+        fields.update(
+            retrieve=False,
+            raw_prompt=True,
+            mode=Mode.FULL_PREFILL,
+            prompt_token_ids=prompt if isinstance(prompt, tuple) else None,
+            prompt_logprobs=(body.logprobs or 0) if body.echo else None,
+        )
+    text_prompt = prompt if isinstance(prompt, str) else None
+    run = await _start(pipeline, body, text_prompt or "", None, request, settings, key, **fields)
     completion_id = f"cmpl-{uuid.uuid4().hex}"
+    offset = 0  # where the next streamed token starts in the choice's text
 
-    def chunk(text: str | None, finish_reason: str | None) -> dict:
+    def chunk(
+        text: str | None, finish_reason: str | None, entries: list[TokenLogprob] | None
+    ) -> dict:
+        nonlocal offset
+        logprobs = None
+        if entries is not None and body.logprobs is not None:
+            logprobs = CompletionLogprobs.of(entries, offset).model_dump()
+            offset += sum(len(e.token) for e in entries)
         return {
             "id": completion_id,
             "object": "text_completion",
             "created": run.created,
             "model": run.model,
             "choices": [
-                {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                {
+                    "index": 0,
+                    "text": text or "",
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
             ],
         }
 
+    def echo_chunk(entries: list[TokenLogprob]) -> dict:
+        return chunk(_echo_text(text_prompt, entries), None, entries)
+
     if body.stream:
-        return run.streaming_response(chunk, None, body.include_usage)
+        echo = echo_chunk if body.echo else None
+        return run.streaming_response(chunk, None, body.include_usage, echo)
     outcome = await run.collect(request)
+    prompt_entries = (outcome.prompt_logprobs or []) if body.echo else []
+    echoed = _echo_text(text_prompt, prompt_entries) if body.echo else ""
+    entries = prompt_entries + (outcome.logprobs or [])
     return CompletionResponse(
         id=completion_id,
         created=run.created,
         model=run.model,
-        choices=[CompletionChoice(text=outcome.text, finish_reason=_finish(outcome))],
+        choices=[
+            CompletionChoice(
+                text=echoed + outcome.text,
+                finish_reason=_finish(outcome),
+                logprobs=None if body.logprobs is None else CompletionLogprobs.of(entries),
+            )
+        ],
         usage=OpenAIUsage.of(outcome.usage),
         rag=run.rag_info(outcome),
     )
+
+
+def _echo_text(text_prompt: str | None, entries: list[TokenLogprob]) -> str:
+    """The prompt as echoed: its text as sent, or its tokens' texts (a prompt of token ids)."""
+    return text_prompt if text_prompt is not None else "".join(e.token for e in entries)
 
 
 async def _start(
@@ -150,7 +227,10 @@ async def _start(
     request: Request,
     settings: GatewaySettings,
     key: ApiKey | None,
+    **fields: Any,
 ) -> _Run:
+    """Start the generation; `fields` replace those of the RagRequest the body gives
+    (retrieval off, a raw prompt, logprobs)."""
     unsupported = body.unsupported()
     if unsupported:
         raise HTTPException(
@@ -169,6 +249,7 @@ async def _start(
         key=key,
         max_model_len=pipeline.engines.max_model_len,
     )
+    rag = replace(rag, **fields)
     log.info(
         "%s top_k=%d collections=%s key=%s",
         request.url.path,
@@ -208,17 +289,21 @@ class _Run:
         return outcome
 
     def streaming_response(
-        self, chunk: ChunkOf, first: dict | None, include_usage: bool
+        self,
+        chunk: ChunkOf,
+        first: dict | None,
+        include_usage: bool,
+        echo: PromptChunkOf | None = None,
     ) -> StreamingResponse:
         return StreamingResponse(
-            self._chunks(chunk, first, include_usage),
+            self._chunks(chunk, first, include_usage, echo),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, "X-RAGBlend-Engine": self.stream.engine},
             background=BackgroundTask(self.stack.aclose),
         )
 
     async def _chunks(
-        self, chunk: ChunkOf, first: dict | None, include_usage: bool
+        self, chunk: ChunkOf, first: dict | None, include_usage: bool, echo: PromptChunkOf | None
     ) -> AsyncIterator[str]:
         def framed(payload: dict) -> str:
             if include_usage:  # OpenAI sends "usage": null on every chunk but the last
@@ -231,16 +316,20 @@ class _Run:
             try:
                 async for event in self.stream.events():
                     if isinstance(event, EngineResult):
-                        finish = chunk(None, _finish(event))
+                        finish = chunk(None, _finish(event), None)
                         finish["rag"] = self.rag_info(event).model_dump()  # sources, drops
                         yield framed(finish)
                         if include_usage:
-                            last = chunk(None, None)
+                            last = chunk(None, None, None)
                             last["choices"] = []
                             last["usage"] = OpenAIUsage.of(event.usage).model_dump()
                             yield sse(last)
-                    elif event.text:
-                        yield framed(chunk(event.text, None))
+                    elif event.prompt_logprobs is not None:
+                        if echo is not None:  # sent before the first token
+                            yield framed(echo(event.prompt_logprobs))
+                    elif event.text or event.logprobs is not None:
+                        entries = None if event.logprobs is None else [event.logprobs]
+                        yield framed(chunk(event.text, None, entries))
             except GatewayDependencyError as exc:
                 log.warning("stream failed: %s", exc)
                 yield sse({"error": {"message": str(exc), "type": "upstream_error"}})

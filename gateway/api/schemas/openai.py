@@ -14,6 +14,7 @@ from common.contract import (
     Collections,
     DocIds,
     Hops,
+    LogprobCount,
     Mode,
     Ratio,
     RecomputeRatio,
@@ -21,11 +22,13 @@ from common.contract import (
     RetrievalName,
     Selection,
     StopString,
+    TokenId,
     TopP,
     Usage,
     max_ratio_needs_auto,
 )
 from common.validation import Seed, Text
+from gateway.api.schemas.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.api.schemas.query import (
     CHUNK_ORDER_DESCRIPTION,
     HOPS_DESCRIPTION,
@@ -41,6 +44,9 @@ from gateway.api.schemas.query import (
 MAX_MESSAGES = 256
 MAX_CONTENT_PARTS = 64
 MAX_PROMPTS = 16
+# A prompt of token ids (lm-evaluation-harness sends them): the engine's max_model_len bounds
+# it further.
+MAX_PROMPT_TOKENS = 32_768
 # OpenAI's own limit of stop sequences.
 MAX_OPENAI_STOP = 4
 
@@ -132,8 +138,8 @@ class _SamplingRequest(BaseModel):
 
     def unsupported(self) -> list[str]:
         """The fields of this request that would change the output and that ragblend does not
-        support (tools, logit_bias, logprobs, response_format other than text, n > 1, any
-        field it does not know), by name; empty when it asks only for what is supported."""
+        support (tools, logit_bias, response_format other than text, n > 1, any field it does
+        not know), by name; empty when it asks only for what is supported."""
         named = [
             name
             for name, value in (self.model_extra or {}).items()
@@ -155,15 +161,63 @@ class _SamplingRequest(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(
+        False, description="each output token's log-probability (of the distribution sampled from)"
+    )
+    top_logprobs: LogprobCount | None = Field(
+        None, description="the most likely tokens at each position, with logprobs true"
+    )
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs true")
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Top alternatives the engine is asked for (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
+PromptTokens = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: MessageText | Annotated[list[MessageText], Field(max_length=MAX_PROMPTS)]
+    # A text, token ids, or a list of either (one item: one choice per request).
+    prompt: (
+        MessageText
+        | Annotated[list[MessageText], Field(max_length=MAX_PROMPTS)]
+        | PromptTokens
+        | Annotated[list[PromptTokens], Field(max_length=MAX_PROMPTS)]
+    )
     max_tokens: int | None = Field(None, ge=1)
+    logprobs: LogprobCount | None = Field(
+        None,
+        description="each token's log-probability (of the distribution sampled from) and this "
+        "many most likely tokens at its position",
+    )
+    echo: bool = Field(
+        False,
+        description="the prompt before the completion, with logprobs its tokens' (the no-rag "
+        "model only: the prompt as sent)",
+    )
+
+    def single_prompt(self) -> str | tuple[int, ...] | None:
+        """The one prompt, text or token ids; None unless there is exactly one."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], int):
+            return tuple(prompt)  # type: ignore[arg-type]
+        if len(prompt) != 1:
+            return None
+        only = prompt[0]
+        return only if isinstance(only, str) else tuple(only)  # type: ignore[arg-type]
 
     @property
     def token_limit(self) -> int | None:
@@ -206,7 +260,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: dict[str, str]
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -223,7 +277,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
