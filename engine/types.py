@@ -167,6 +167,9 @@ class GenerateRequest:
     # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
     fit_context: bool = False
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # applied after fit_context
+    # The JSON schema the output must validate against, serialized (None: free text): each
+    # token is sampled among those its grammar allows (engine/grammar/).
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse_enum(Mode, self.mode, "mode"))

@@ -12,6 +12,7 @@ from common.contract import (
     GenerateBody,
     GenerateResponse,
     Mode,
+    ResponseFormat,
     RetrievalName,
     SearchRequest,
     Selection,
@@ -54,6 +55,7 @@ class RagRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # the prompt's; sources stay best first
+    response_format: ResponseFormat | None = None  # None: free text
 
     def search(self) -> SearchRequest:
         return SearchRequest(
@@ -121,6 +123,7 @@ class EngineRequest:
             stream=True,
             fit_context=True,
             chunk_order=rag.chunk_order,
+            response_format=rag.response_format,
         )
 
 

@@ -38,6 +38,7 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         ignore_eos=body.ignore_eos,
         fit_context=body.fit_context,
         chunk_order=body.chunk_order,
+        json_schema=None if body.response_format is None else body.response_format.schema_text(),
     )
 
 
@@ -63,7 +64,7 @@ class ErrorOut(BaseModel):
 
 
 _STATUS_MEANING = {
-    400: "body is not UTF-8",
+    400: "body is not UTF-8, or a response_format whose JSON schema does not compile",
     401: "missing or wrong internal token",
     403: "a cross-site Origin",
     413: "body larger than max_body_bytes",

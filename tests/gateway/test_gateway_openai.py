@@ -148,7 +148,6 @@ CHAT = {"messages": [{"role": "user", "content": "Kessa pass?"}], "max_tokens": 
         ({"tool_choice": "required"}, "tool_choice"),
         ({"logit_bias": {"42": 10}}, "logit_bias"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs, top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 2}, "n"),
         ({"top_k": 5}, "top_k"),
     ],

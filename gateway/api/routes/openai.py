@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 
 from common.sse import sse
 from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
-from gateway.api.rag import rag_request
+from gateway.api.rag import check_response_format, rag_request
 from gateway.api.responses import GENERATION_ERRORS, KEYED
 from gateway.api.schemas.openai import (
     ChatChoice,
@@ -158,6 +158,7 @@ async def _start(
             detail=f"not supported: {', '.join(unsupported)} (docs/gateway.md lists the "
             "fields ragblend supports; user, metadata and store are ignored)",
         )
+    await check_response_format(body.response_format)
     rag = rag_request(
         question,
         system,
