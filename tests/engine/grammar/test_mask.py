@@ -3,6 +3,7 @@ batch change."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.grammar.mask import apply_bitmask, bitmask_words
@@ -48,3 +49,15 @@ def test_half_precision_logits_are_masked_in_their_own_dtype():
     masked = apply_bitmask(logits, bitmask_of([{1, 62}], 64), torch.tensor([0]))
     assert masked.dtype == torch.bfloat16
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [1, 62]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_logits_on_a_cuda_device_are_masked_there_as_on_the_cpu():
+    vocab = 49152
+    logits = torch.randn(2, vocab, dtype=torch.bfloat16)
+    bitmask = bitmask_of([{0, 7, 49151}, set(range(0, vocab, 3))], vocab)
+    rows = torch.tensor([1, 0])
+    on_cpu = apply_bitmask(logits, bitmask, rows)
+    on_cuda = apply_bitmask(logits.cuda(), bitmask, rows)
+    assert on_cuda.device.type == "cuda"
+    assert torch.equal(on_cuda.cpu(), on_cpu)
