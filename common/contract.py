@@ -4,6 +4,7 @@ retriever's /v1/search."""
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,8 @@ MAX_LOGPROBS = 20
 # Token ids of a raw prompt: the engine's max_model_len bounds them further.
 MAX_PROMPT_TOKEN_IDS = 1_000_000
 MAX_PRECOMPUTE_CHUNKS = 10_000
+# A response_format's JSON schema, serialized (common.json_grammar.schema_text): bytes at most.
+MAX_JSON_SCHEMA_BYTES = 64 * 1024
 # A streamed /v1/generate's response header: the engine's estimate of the seconds the request
 # waits before its prefill starts, taken as it was queued (the gateway's first-event deadline).
 QUEUE_ESTIMATE_HEADER = "X-Queue-Estimate"
@@ -117,6 +120,49 @@ def max_ratio_needs_auto(body: Any) -> Any:
     return body
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the output must validate against.
+    It is always enforced (the tokens are masked to it), `strict` or not."""
+
+    # `schema` by its wire name, whichever side dumps the body.
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True, validate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = Field(None, max_length=MAX_QUESTION_CHARS)
+    # The field is not called `schema`: that name shadows a pydantic BaseModel attribute.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        schema = self.schema_text()
+        if schema is not None and len(schema.encode()) > MAX_JSON_SCHEMA_BYTES:
+            raise ValueError(
+                f"json_schema.schema: {len(schema.encode())} bytes serialized, above the "
+                f"limit of {MAX_JSON_SCHEMA_BYTES}"
+            )
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must validate against, serialized canonically; None for
+        free text. json_object asks for any JSON object: the schema {"type": "object"}."""
+        if self.type == "text":
+            return None
+        schema = {"type": "object"} if self.json_schema is None else self.json_schema.json_schema
+        return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 class ChunkIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, nor 0 False
 
@@ -178,6 +224,8 @@ class GenerateBody(BaseModel):
     # distribution it was sampled from; of each prompt token (mode full_prefill only).
     logprobs: LogprobCount | None = None
     prompt_logprobs: LogprobCount | None = None
+    # None or type text: free text; else the tokens are masked to JSON (docs/engine.md).
+    response_format: ResponseFormat | None = None
 
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 

@@ -18,6 +18,8 @@ from engine.blend.prefill import Prefill, PrefillAsk, Prefiller
 from engine.blend.prefix_cache import PrefixCache
 from engine.chunks import ChunkPrecompute
 from engine.errors import GenerationCancelled
+from engine.grammar.batch import GrammarMasks
+from engine.grammar.compile import CompiledGrammar, GrammarCompiler
 from engine.model.eos import eos_token_ids
 from engine.model.layers import LayerOps
 from engine.model.load import LoadedModel, load_model
@@ -84,7 +86,10 @@ class Engine:
         self.chunks = ChunkPrecompute(
             self.prompts, self.prefiller, store, self.worker, self.max_model_len
         )
-        post = Postprocessor(self.eos_ids, self.runner.penalties)
+        vocab_size = self.model.lm_head.weight.shape[0]  # the width of the logits
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size, self.eos_ids)
+        masks = GrammarMasks(opts.max_num_seqs, vocab_size)
+        post = Postprocessor(self.eos_ids, self.runner.penalties, masks)
         device = loaded.device.type
         batch = opts.prefill_batch_tokens
         if batch is None:
@@ -183,18 +188,30 @@ class Engine:
         round trip): call it where a wait may fall, as `start`'s caller does with `layout`."""
         return self.prefiller.open_ahead(layout, PrefillAsk.of(request), parked=True)
 
+    def compile_grammar(self, request: GenerateRequest) -> CompiledGrammar | None:
+        """The compiled grammar of the request's json_schema (None: free text), cached per
+        schema; raises GrammarError naming what the library rejects. Up to ~100 ms for a new
+        large schema: the service calls it on a thread, as it tokenizes."""
+        if request.json_schema is None:
+            return None
+        return self.grammars.compile(request.json_schema)
+
     def start(
         self,
         request: GenerateRequest,
         layout: PromptLayout | None = None,
         opened: KVLayerStream | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Generation:
         """Queue a generation; iterate the returned object on the calling event loop. `layout`
         replaces the prompt built from the request's text; `opened`, its `open_kv` (else the
-        lookups run here). Raises QueueFullError when queue and KV pool are full,
-        PromptTooLongError when the prompt plus max_tokens exceed max_model_len."""
+        lookups run here); `grammar`, its `compile_grammar` (else compiled here). Raises
+        QueueFullError when queue and KV pool are full, PromptTooLongError when the prompt
+        plus max_tokens exceed max_model_len, GrammarError for a schema that does not compile."""
         generation = Generation()
-        seq, generation.queue_estimate_s = self._submit(request, layout, generation.deliver, opened)
+        seq, generation.queue_estimate_s = self._submit(
+            request, layout, generation.deliver, opened, grammar
+        )
         generation.bind(lambda: self._cancel(seq))
         return generation
 
@@ -215,6 +232,7 @@ class Engine:
         layout: PromptLayout | None,
         emit: Callable[[Event], None],
         opened: KVLayerStream | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> tuple[Job, float]:
         """The queued job and the wait the queue estimate announces for it, taken as it is
         queued: exact about what is ahead, where /health's is already old for a burst. Its KV
@@ -224,7 +242,9 @@ class Engine:
                 layout = self.layout(request)
             else:
                 fitting(layout, request.max_tokens, self.max_model_len)
-            seq = new_job(request, layout, self.tokenizer, self.defaults, emit)
+            if grammar is None:
+                grammar = self.compile_grammar(request)
+            seq = new_job(request, layout, self.tokenizer, self.defaults, emit, grammar)
             if opened is None:
                 opened = self.open_kv(request, layout)
             seq.opened = opened

@@ -17,6 +17,11 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt plus max_tokens does not fit the model's positions."""
 
 
+class GrammarError(InvalidRequestError):
+    """A response format whose JSON schema the grammar library cannot compile (its message), or
+    a model whose tokenizer it cannot read."""
+
+
 class ChunkTooLongError(InvalidRequestError):
     """A chunk to precompute has more tokens than any prompt could hold with it."""
 

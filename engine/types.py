@@ -188,6 +188,9 @@ class GenerateRequest:
     # under the model's own distribution (full_prefill only: each position is computed).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The JSON schema the output must validate against, serialized (None: free text): each
+    # token is sampled among those its grammar allows (engine/grammar/).
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse_enum(Mode, self.mode, "mode"))

@@ -12,6 +12,7 @@ from common.contract import (
     GenerateBody,
     GenerateResponse,
     Mode,
+    ResponseFormat,
     RetrievalName,
     SearchRequest,
     Selection,
@@ -63,6 +64,7 @@ class RagRequest:
     # (None: not asked).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None  # None: free text
 
     def search(self) -> SearchRequest:
         return SearchRequest(
@@ -134,6 +136,7 @@ class EngineRequest:
             prompt_token_ids=None if rag.prompt_token_ids is None else list(rag.prompt_token_ids),
             logprobs=rag.logprobs,
             prompt_logprobs=rag.prompt_logprobs,
+            response_format=rag.response_format,
         )
 
 

@@ -45,6 +45,7 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         prompt_token_ids=None if body.prompt_token_ids is None else tuple(body.prompt_token_ids),
         logprobs=body.logprobs,
         prompt_logprobs=body.prompt_logprobs,
+        json_schema=None if body.response_format is None else body.response_format.schema_text(),
     )
 
 
@@ -88,7 +89,7 @@ class ErrorOut(BaseModel):
 
 
 _STATUS_MEANING = {
-    400: "body is not UTF-8",
+    400: "body is not UTF-8, or a response_format whose JSON schema does not compile",
     401: "missing or wrong internal token",
     403: "a cross-site Origin",
     413: "body larger than max_body_bytes",

@@ -194,12 +194,13 @@ class Executor:
         prefill.prefill_s = time.perf_counter() - seq.scheduled_s
         seq.prefill, seq.num_cached = prefill, seq.num_prompt_tokens
         self.write_back(prefill.missing_chunks)
-        # Penalised tokens are no greedy continuation that the shadow's full prefill could match.
+        # Penalised or grammar-masked tokens are no greedy continuation that the shadow's full
+        # prefill could match.
         kv = output.kv
         seq.shadow = self.shadow.sample(
             request.mode,
             seq.layout.token_ids,
-            seq.sampler.temperature == 0.0 and seq.penalties.neutral,
+            seq.sampler.temperature == 0.0 and seq.penalties.neutral and seq.grammar is None,
             prefill.blend.fell_back_to_full_prefill,
             lambda: kv.read(0, kv.num_tokens),
         )
@@ -211,7 +212,7 @@ class Executor:
         logits = output.logits
         if not seq.penalties.neutral:
             self.runner.penalties.start(seq.lane, seq.layout.token_ids)
-        self.post.accept(seq, self.post.penalised([seq], logits[None])[0], logits)
+        self.post.accept(seq, self.post.sampling_logits([seq], logits[None])[0], logits)
 
     def decode(self, seqs: list[Job]) -> None:
         """One token for every sequence, as one batch."""
@@ -237,8 +238,8 @@ class Executor:
     def _decoded(self, seqs: list[Job], logits: torch.Tensor) -> None:
         """Each sequence's token from the step's logits; a sequence whose completion fails
         (its sampling, its consumer) fails alone."""
-        penalised = self.post.penalised(seqs, logits)
-        for seq, row, raw in zip(seqs, penalised, logits, strict=True):
+        sampling = self.post.sampling_logits(seqs, logits)
+        for seq, row, raw in zip(seqs, sampling, logits, strict=True):
             seq.num_cached += 1
             try:
                 self.post.accept(seq, row, raw)

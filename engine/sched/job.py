@@ -1,5 +1,5 @@
 """One request while the engine serves it: the scheduler's `Sequence` plus what producing its
-tokens needs (prompt layout, sampler, penalties, text, the consumer) and what it measured."""
+tokens needs (prompt layout, sampler, penalties, grammar, text, consumer) and what it measured."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.blend.layout import PromptLayout
+from engine.grammar.compile import CompiledGrammar, SequenceGrammar
 from engine.sched.detokenize import IncrementalText
 from engine.sched.sampling import Sampler
 from engine.sched.sequence import Sequence
@@ -53,6 +54,7 @@ class Job(Sequence):
     # Filled only when the request asks for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
+    grammar: SequenceGrammar | None = None  # the output's grammar (response_format), if any
 
 
 def new_job(
@@ -61,6 +63,7 @@ def new_job(
     tokenizer: object,
     defaults: GenerationDefaults,
     emit: Callable[[Event], None],
+    grammar: CompiledGrammar | None = None,
 ) -> Job:
     temperature, top_p, penalties = request.sampling(defaults)
     return Job(
@@ -75,4 +78,5 @@ def new_job(
         emit=emit,
         arrival_s=time.perf_counter(),
         penalties=penalties,
+        grammar=None if grammar is None else grammar.start(),
     )

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from engine.grammar.batch import GrammarMasks
 from engine.runner.penalties import PenaltyState
 from engine.sched.job import Job
 from engine.sched.logprobs import generated_logprob
@@ -17,12 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class Postprocessor:
-    def __init__(self, eos_ids: set[int], penalties: PenaltyState):
+    def __init__(self, eos_ids: set[int], penalties: PenaltyState, grammars: GrammarMasks):
         self.eos_ids = eos_ids
         self.penalties = penalties
+        self.grammars = grammars
 
-    def penalised(self, seqs: list[Job], logits: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] with each sequence's penalties applied, in one batched operation."""
+    def sampling_logits(self, seqs: list[Job], logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] each sequence samples from: masked to what its grammar allows next
+        (response_format), then penalised, each in one batched operation."""
+        logits = self.grammars.apply([s.grammar for s in seqs], logits)
         lanes = [s.lane for s in seqs]
         return self.penalties.apply(logits, lanes, [s.penalties for s in seqs])  # type: ignore[arg-type]
 
@@ -42,11 +46,13 @@ class Postprocessor:
             # The EOS that ends it has a log-probability too (vLLM's output lists it).
             if entry is not None:
                 seq.emit(TokenDelta("", token, entry))
-            self.finish(seq, "stop")
+            self.finish(seq, "stop")  # under a grammar, EOS was allowed: the output is complete
             return
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
         seq.emit(TokenDelta(seq.text.add(token), token, entry))
         seq.num_output_tokens += 1
-        if seq.text.stopped:
+        if seq.text.stopped or (seq.grammar is not None and seq.grammar.complete):
             self.finish(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens:
             self.finish(seq, "length")

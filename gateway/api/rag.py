@@ -1,9 +1,15 @@
 """The RagRequest of a generating route's body: its defaults filled in from the settings and
-the API key, and the limits that are settings checked (422, or 403 for a collection)."""
+the API key, and the limits that are settings checked (422, or 403 for a collection); a
+response_format's JSON schema checked to compile (400) before anything is retrieved."""
 
 from __future__ import annotations
 
-from common.contract import ChunkOrder
+import asyncio
+
+from fastapi import HTTPException
+
+from common.contract import ChunkOrder, ResponseFormat
+from common.json_grammar import SchemaError, check_grammar, json_grammar
 from gateway.api.deps import query_collections, resolve_max_tokens, resolve_top_k
 from gateway.api.schemas.openai import ChatCompletionRequest, CompletionRequest, RagOptions
 from gateway.api.schemas.query import QueryRequest
@@ -49,7 +55,21 @@ def rag_request(
         repetition_penalty=sampling.repetition_penalty,
         stop=stop,
         chunk_order=options.chunk_order or ChunkOrder(settings.chunk_order),
+        response_format=sampling.response_format,
     )
+
+
+async def check_response_format(response_format: ResponseFormat | None) -> None:
+    """A 400 naming what the grammar library rejects in the response_format's JSON schema
+    (the engine compiles it again against its tokenizer); checked on a thread, as a large
+    schema takes milliseconds."""
+    schema = None if response_format is None else response_format.schema_text()
+    if schema is None:
+        return
+    try:
+        await asyncio.to_thread(lambda: check_grammar(json_grammar(schema)))
+    except SchemaError as exc:
+        raise HTTPException(400, detail=f"response_format: the JSON schema: {exc}") from exc
 
 
 def query_rag_request(

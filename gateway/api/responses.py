@@ -30,7 +30,8 @@ _DEPENDENCY = {
 }
 _POSTED = {
     "s400": "a body that cannot be parsed (not UTF-8, a multipart without boundary); on the "
-    "OpenAI routes also a field that would change the output and is not supported",
+    "OpenAI routes also a field that would change the output and is not supported; a "
+    "response_format whose JSON schema does not compile",
     "s403": "a collection the API key may not use, or a foreign Origin",
     "s413": "request body too large",
     "s415": "content type not accepted",

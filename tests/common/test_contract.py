@@ -16,6 +16,7 @@ from common.contract import (
     AUTO_RATIO,
     MAX_COLLECTIONS,
     MAX_DOC_IDS,
+    MAX_JSON_SCHEMA_BYTES,
     MAX_QUESTION_CHARS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -222,3 +223,42 @@ def test_the_blend_options_the_gateway_sends_are_those_the_engine_takes():
         )
     )
     assert (unset.recompute_ratio, unset.max_recompute_ratio, unset.selection) == (None,) * 3
+
+
+def test_the_response_format_the_gateway_sends_is_the_one_the_engine_takes():
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    body = QueryRequest(
+        question="q",
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert body.response_format is not None
+    rag = RagRequest(question="q", top_k=1, response_format=body.response_format)
+    sent = EngineRequest(rag, ()).engine_body().model_dump_json()
+    assert '"schema":' in sent  # OpenAI's name on the wire, not the field's
+    request = to_request(GenerateBody.model_validate_json(sent))  # strict, as the engine's route
+    assert request.json_schema is not None and json.loads(request.json_schema) == schema
+    json_object = GenerateBody.model_validate(
+        {"question": "q", "response_format": {"type": "json_object"}}
+    )
+    assert to_request(json_object).json_schema == '{"type":"object"}'
+    text = GenerateBody.model_validate({"question": "q", "response_format": {"type": "text"}})
+    assert to_request(text).json_schema is None
+
+
+def schema_of_bytes(size: int) -> dict:
+    """A schema whose canonical serialization is `size` bytes long."""
+    padding = size - len(json.dumps({"description": ""}, separators=(",", ":")))
+    return {"description": "x" * padding}
+
+
+@pytest.mark.parametrize("side", ["gateway", "engine"])
+def test_a_schema_at_the_size_limit_passes_and_one_byte_more_is_refused_on_both_sides(side):
+    def make(schema: dict) -> object:
+        response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        if side == "gateway":
+            return QueryRequest(question="q", response_format=response_format)
+        return GenerateBody.model_validate({"question": "q", "response_format": response_format})
+
+    make(schema_of_bytes(MAX_JSON_SCHEMA_BYTES))
+    with pytest.raises(ValidationError, match="above the limit"):
+        make(schema_of_bytes(MAX_JSON_SCHEMA_BYTES + 1))

@@ -147,7 +147,6 @@ CHAT = {"messages": [{"role": "user", "content": "Kessa pass?"}], "max_tokens": 
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"logit_bias": {"42": 10}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"n": 2}, "n"),
         ({"top_k": 5}, "top_k"),
     ],

@@ -24,7 +24,7 @@ from engine.api.schemas import (
 )
 from engine.blend.layout import PromptLayout
 from engine.engine import Engine
-from engine.errors import GenerationCancelled, InvalidRequestError, QueueFullError
+from engine.errors import GenerationCancelled, GrammarError, InvalidRequestError, QueueFullError
 from engine.streaming import Generation
 from engine.types import GenerateRequest, GenerateResult, Mode, TokenDelta
 from kvstore.loader import KVLayerStream
@@ -69,14 +69,19 @@ async def generate(
         # and ask Redis: on a thread, so that the event loop keeps serving /health and the
         # streams in flight. Length errors are a 422 before queueing.
         layout = await asyncio.to_thread(engine.layout, request)
+        # A new schema compiles in up to ~100 ms, also on a thread; a bad one is a 400 before
+        # any KV is looked up.
+        grammar = await asyncio.to_thread(engine.compile_grammar, request)
         opened = await _open_kv(engine, request, layout)
-        generation = engine.start(request, layout, opened)
+        generation = engine.start(request, layout, opened, grammar)
     except QueueFullError as exc:
         metrics.errors.labels("queue_full").inc()
         retry_after = min(max(math.ceil(engine.room_after_s()), RETRY_AFTER_S[0]), RETRY_AFTER_S[1])
         raise HTTPException(
             429, detail=f"engine busy: {exc}", headers={"Retry-After": str(retry_after)}
         ) from exc
+    except GrammarError as exc:
+        raise HTTPException(400, detail=str(exc)) from exc
     except InvalidRequestError as exc:
         raise HTTPException(422, detail=str(exc)) from exc
 

@@ -19,7 +19,7 @@ from starlette.background import BackgroundTask
 from common.contract import Mode, TokenLogprob
 from common.sse import sse
 from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
-from gateway.api.rag import rag_request
+from gateway.api.rag import check_response_format, rag_request
 from gateway.api.responses import GENERATION_ERRORS, KEYED
 from gateway.api.schemas.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.api.schemas.openai import (
@@ -238,6 +238,7 @@ async def _start(
             detail=f"not supported: {', '.join(unsupported)} (docs/gateway.md lists the "
             "fields ragblend supports; user, metadata and store are ignored)",
         )
+    await check_response_format(body.response_format)
     rag = rag_request(
         question,
         system,

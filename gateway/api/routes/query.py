@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 from common.errors import error_body
 from common.sse import sse
 from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
-from gateway.api.rag import query_rag_request
+from gateway.api.rag import check_response_format, query_rag_request
 from gateway.api.responses import GENERATION_ERRORS
 from gateway.api.schemas.query import QueryRequest, QueryResponse, SourceOut
 from gateway.api.streaming import (
@@ -39,6 +39,7 @@ async def query(
     settings: SettingsDep,
     key: ApiKeyDep,
 ):
+    await check_response_format(body.response_format)
     rag = query_rag_request(
         body, settings=settings, key=key, max_model_len=pipeline.engines.max_model_len
     )

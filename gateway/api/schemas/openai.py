@@ -19,6 +19,7 @@ from common.contract import (
     Ratio,
     RecomputeRatio,
     RepetitionPenalty,
+    ResponseFormat,
     RetrievalName,
     Selection,
     StopString,
@@ -35,6 +36,7 @@ from gateway.api.schemas.query import (
     MAX_RECOMPUTE_RATIO_DESCRIPTION,
     PENALTY_DESCRIPTION,
     RECOMPUTE_RATIO_DESCRIPTION,
+    RESPONSE_FORMAT_DESCRIPTION,
     RETRIEVAL_DESCRIPTION,
     SAMPLING_DEFAULT_DESCRIPTION,
     SELECTION_DESCRIPTION,
@@ -108,7 +110,7 @@ IGNORED_FIELDS = frozenset(
     }
 )
 # Values of unsupported fields that ask for nothing (what a client sends by default).
-_NOTHING_ASKED: tuple[object, ...] = (None, False, 0, "none", {}, [], {"type": "text"})
+_NOTHING_ASKED: tuple[object, ...] = (None, False, 0, "none", {}, [])
 
 
 class _SamplingRequest(BaseModel):
@@ -134,12 +136,13 @@ class _SamplingRequest(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_OPENAI_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_DESCRIPTION)
     rag: RagOptions = Field(default_factory=RagOptions)
 
     def unsupported(self) -> list[str]:
         """The fields of this request that would change the output and that ragblend does not
-        support (tools, logit_bias, response_format other than text, n > 1, any field it does
-        not know), by name; empty when it asks only for what is supported."""
+        support (tools, logit_bias, n > 1, any field it does not know), by name; empty when it
+        asks only for what is supported."""
         named = [
             name
             for name, value in (self.model_extra or {}).items()

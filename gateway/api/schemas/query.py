@@ -18,6 +18,7 @@ from common.contract import (
     Ratio,
     RecomputeRatio,
     RepetitionPenalty,
+    ResponseFormat,
     RetrievalName,
     Selection,
     Stops,
@@ -38,6 +39,10 @@ HOPS_DESCRIPTION = (
 CHUNK_ORDER_DESCRIPTION = (
     "best_first: the best chunk first in the prompt; best_last: next to the question; "
     "default: the gateway's chunk_order setting"
+)
+RESPONSE_FORMAT_DESCRIPTION = (
+    "OpenAI's: text; json_object (any JSON object); json_schema (JSON valid against its "
+    "schema, enforced whatever `strict` says); a schema that does not compile is a 400"
 )
 RECOMPUTE_RATIO_DESCRIPTION = (
     "share of the chunk tokens cacheblend recomputes, or auto: the check layer chooses it "
@@ -88,6 +93,7 @@ class QueryRequest(BaseModel):
     retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: Hops | None = Field(None, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
+    response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_DESCRIPTION)
 
     _question_not_blank = field_validator("question")(not_blank)
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
