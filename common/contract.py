@@ -32,6 +32,9 @@ MAX_TOKENS_LIMIT = 4096
 MAX_CHUNK_ID_CHARS = 256
 MAX_GENERATE_CHUNKS = 1_000
 MAX_PRECOMPUTE_CHUNKS = 10_000
+# Earlier turns of a conversation sent with its question (each turn's text is capped by the
+# engine's max_text_chars, as the question is).
+MAX_HISTORY_TURNS = 256
 # A streamed /v1/generate's response header: the engine's estimate of the seconds the request
 # waits before its prefill starts, taken as it was queued (the gateway's first-event deadline).
 QUEUE_ESTIMATE_HEADER = "X-Queue-Estimate"
@@ -69,6 +72,8 @@ class ChunkOrder(StrEnum):
     BEST_LAST = "best_last"
 
 
+# Who said an earlier turn of a conversation (GenerateBody.history).
+TurnRole = Literal["user", "assistant"]
 # ChunkOrder's values, for a setting (a settings flag offers a Literal's values as choices).
 ChunkOrderName = Literal["best_first", "best_last"]
 # The retriever's search modes (docs/retriever.md, "Hybrid retrieval"); None: its default.
@@ -119,6 +124,16 @@ class ChunkIn(BaseModel):
     text: Text = Field(min_length=1)
 
 
+class TurnIn(BaseModel):
+    """One earlier turn of a conversation: what the user asked, or what the assistant answered."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: TurnRole
+    # Capped by the engine's max_text_chars setting, checked at its route.
+    text: Text = Field(min_length=1)
+
+
 class PrecomputeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -141,6 +156,10 @@ class GenerateBody(BaseModel):
     system: Text | None = None
     chunks: list[ChunkIn] = Field(default_factory=list, max_length=MAX_GENERATE_CHUNKS)
     question: Text = Field(min_length=1)
+    # The conversation before the question, oldest first: user and assistant alternating, from
+    # a user turn to an assistant turn. Rendered by the model's chat template after the
+    # passages (the prompt's suffix); fit_context drops the oldest turns first.
+    history: list[TurnIn] = Field(default_factory=list, max_length=MAX_HISTORY_TURNS)
     mode: ModeField = Mode.CACHEBLEND
     # None: the engine's recompute_ratio and selection settings; max_recompute_ratio bounds
     # "auto" only (None: the engine's auto_max_ratio).
@@ -159,7 +178,8 @@ class GenerateBody(BaseModel):
     stop: Stops | StopString | None = None
     ignore_eos: bool = False
     stream: bool = False
-    # Drop chunks from the end (the worst) until the prompt fits the model.
+    # Drop the oldest turns of history, then chunks from the end (the worst), until the prompt
+    # fits the model (docs/engine.md, "Prompt layout").
     fit_context: bool = False
     # The chunks come best first; best_last lays them out reversed, the best next to the question.
     chunk_order: ChunkOrderField = ChunkOrder.BEST_FIRST
@@ -173,6 +193,7 @@ class GenerateBody(BaseModel):
     def texts(self) -> list[tuple[str, str]]:
         """(field name, text) of every free text, for the length limit."""
         named = [("question", self.question), ("system", self.system or "")]
+        named += [(f"history.{i}.text", t.text) for i, t in enumerate(self.history)]
         return named + [(f"chunks.{i}.text", c.text) for i, c in enumerate(self.chunks)]
 
 
@@ -222,6 +243,7 @@ class GenerateResponse(BaseModel):
     blend: Blend
     chunk_tiers: list[str | None]
     dropped_chunks: int  # dropped from the end by fit_context; 0 without it
+    dropped_turns: int  # turns of history dropped, the oldest first, by fit_context
 
 
 class Delta(BaseModel):

@@ -14,10 +14,12 @@ from typing import Literal, TypeVar
 from common.contract import (
     AUTO_RATIO,
     MAX_ADDITIVE_PENALTY,
+    MAX_HISTORY_TURNS,
     MAX_REPETITION_PENALTY,
     ChunkOrder,
     Mode,
     Selection,
+    TurnRole,
 )
 from engine.errors import InvalidRequestError
 
@@ -141,6 +143,38 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """One earlier turn of a conversation: `role` "user" or "assistant"."""
+
+    role: TurnRole
+    text: str
+
+
+def check_history(history: tuple[Turn, ...]) -> None:
+    """InvalidRequestError unless `history` is at most MAX_HISTORY_TURNS turns alternating
+    user, assistant from a user turn to an assistant turn (the question is the next user turn),
+    none blank: the conversation every chat template accepts."""
+    if len(history) > MAX_HISTORY_TURNS:
+        raise InvalidRequestError(
+            f"history has {len(history)} turns: more than the limit of {MAX_HISTORY_TURNS}"
+        )
+    for index, turn in enumerate(history):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if turn.role != expected:
+            raise InvalidRequestError(
+                f"history.{index}.role is {turn.role!r}, expected {expected!r}: turns alternate "
+                "user, assistant, starting with a user turn"
+            )
+        if not turn.text.strip():
+            raise InvalidRequestError(f"history.{index}.text must not be empty")
+    if len(history) % 2:
+        raise InvalidRequestError(
+            "history ends with a user turn: it must end with the assistant's answer (the "
+            "question is the next user turn)"
+        )
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One question over chunks. `recompute_ratio=None` takes the engine's default, and so
     do `selection` and each penalty left None (the engine's default penalties).
@@ -150,6 +184,8 @@ class GenerateRequest:
     question: str
     chunks: tuple[Chunk, ...] = ()
     system: str | None = None
+    # The conversation before the question, oldest first (check_history).
+    history: tuple[Turn, ...] = ()
     mode: Mode = Mode.CACHEBLEND
     recompute_ratio: float | Literal["auto"] | None = None
     selection: Selection | None = None
@@ -164,7 +200,8 @@ class GenerateRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, like vLLM's option)
-    # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
+    # Drop the oldest turns of history, then chunks from the end, until prompt + max_tokens
+    # fits max_model_len (engine.blend.layout.fit_prompt; else too long).
     fit_context: bool = False
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # applied after fit_context
 
@@ -175,8 +212,10 @@ class GenerateRequest:
         )
         object.__setattr__(self, "chunks", tuple(self.chunks))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "history", tuple(self.history))
         if not self.question.strip():
             raise InvalidRequestError("question must not be empty")
+        check_history(self.history)
         if self.selection is not None:
             object.__setattr__(
                 self, "selection", _parse_enum(Selection, self.selection, "selection")
@@ -307,6 +346,7 @@ class GenerateResult:
     chunk_tiers: list[str | None] = field(default_factory=list)
     load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
     dropped_chunks: int = 0  # by fit_context, from the end of the request's chunks
+    dropped_turns: int = 0  # by fit_context, the oldest turns of the request's history
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from common.contract import (
     Timings,
     Usage,
 )
-from engine.types import Chunk, GenerateRequest, GenerateResult
+from engine.types import Chunk, GenerateRequest, GenerateResult, Turn
 
 
 def to_request(body: GenerateBody) -> GenerateRequest:
@@ -23,6 +23,7 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         question=body.question,
         chunks=tuple(Chunk(c.id, c.text) for c in body.chunks),
         system=body.system,
+        history=tuple(Turn(t.role, t.text) for t in body.history),
         mode=body.mode,
         recompute_ratio=body.recompute_ratio,
         selection=body.selection,
@@ -52,6 +53,7 @@ def response_of(result: GenerateResult) -> GenerateResponse:
         blend=Blend(**vars(result.blend)),
         chunk_tiers=result.chunk_tiers,
         dropped_chunks=result.dropped_chunks,
+        dropped_turns=result.dropped_turns,
     )
 
 

@@ -94,6 +94,7 @@ def result(seq: Job) -> GenerateResult:
         chunk_tiers=in_request_order(prefill.chunk_tiers, seq.request.chunk_order),
         load_bytes_by_tier=prefill.load_bytes_by_tier,
         dropped_chunks=seq.layout.dropped_chunks,
+        dropped_turns=seq.layout.dropped_turns,
     )
 
 
