@@ -3,7 +3,7 @@ the API key, and the limits that are settings checked (422, or 403 for a collect
 
 from __future__ import annotations
 
-from common.contract import ChunkOrder
+from common.contract import ChunkOrder, TurnIn
 from gateway.api.deps import query_collections, resolve_max_tokens, resolve_top_k
 from gateway.api.schemas.openai import ChatCompletionRequest, CompletionRequest, RagOptions
 from gateway.api.schemas.query import QueryRequest
@@ -23,9 +23,11 @@ def rag_request(
     settings: GatewaySettings,
     key: ApiKey | None,
     max_model_len: int | None,
+    history: tuple[TurnIn, ...] = (),
+    left_out_turns: int = 0,
 ) -> RagRequest:
     """`options`: what to retrieve and how to blend (the /v1/query body, or an OpenAI body's
-    `rag`); `sampling`: the body's sampling fields."""
+    `rag`); `sampling`: the body's sampling fields; `history`: a chat's earlier turns."""
     top_k = resolve_top_k(options.top_k, settings)
     resolved_max_tokens = resolve_max_tokens(max_tokens, settings, max_model_len)
     return RagRequest(
@@ -36,6 +38,8 @@ def rag_request(
         retrieval=options.retrieval,
         hops=options.hops or settings.default_hops,
         system=system,
+        history=history,
+        left_out_turns=left_out_turns,
         mode=options.mode,
         recompute_ratio=options.recompute_ratio,
         max_recompute_ratio=options.max_recompute_ratio,
