@@ -105,6 +105,25 @@ def not_blank(value: str) -> str:
     return value
 
 
+def history_error(roles: list[str]) -> str | None:
+    """What is wrong with the roles of a history (user and assistant alternating, from a user
+    turn to an assistant turn: the conversation every chat template accepts, the question the
+    next user turn), None when nothing is."""
+    for index, role in enumerate(roles):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if role != expected:
+            return (
+                f"history.{index}.role is {role!r}, expected {expected!r}: turns alternate "
+                "user, assistant, starting with a user turn"
+            )
+    if len(roles) % 2:
+        return (
+            "history ends with a user turn: it must end with the assistant's answer (the "
+            "question is the next user turn)"
+        )
+    return None
+
+
 def max_ratio_needs_auto(body: Any) -> Any:
     """A body's model validator (its fields recompute_ratio and max_recompute_ratio):
     max_recompute_ratio bounds recompute_ratio "auto" only."""

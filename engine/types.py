@@ -20,6 +20,7 @@ from common.contract import (
     Mode,
     Selection,
     TurnRole,
+    history_error,
 )
 from engine.errors import InvalidRequestError
 
@@ -151,27 +152,18 @@ class Turn:
 
 
 def check_history(history: tuple[Turn, ...]) -> None:
-    """InvalidRequestError unless `history` is at most MAX_HISTORY_TURNS turns alternating
-    user, assistant from a user turn to an assistant turn (the question is the next user turn),
-    none blank: the conversation every chat template accepts."""
+    """InvalidRequestError unless `history` is at most MAX_HISTORY_TURNS turns, none blank,
+    whose roles pass common.contract.history_error."""
     if len(history) > MAX_HISTORY_TURNS:
         raise InvalidRequestError(
             f"history has {len(history)} turns: more than the limit of {MAX_HISTORY_TURNS}"
         )
+    error = history_error([turn.role for turn in history])
+    if error is not None:
+        raise InvalidRequestError(error)
     for index, turn in enumerate(history):
-        expected = "user" if index % 2 == 0 else "assistant"
-        if turn.role != expected:
-            raise InvalidRequestError(
-                f"history.{index}.role is {turn.role!r}, expected {expected!r}: turns alternate "
-                "user, assistant, starting with a user turn"
-            )
         if not turn.text.strip():
             raise InvalidRequestError(f"history.{index}.text must not be empty")
-    if len(history) % 2:
-        raise InvalidRequestError(
-            "history ends with a user turn: it must end with the assistant's answer (the "
-            "question is the next user turn)"
-        )
 
 
 @dataclass(frozen=True)

@@ -74,4 +74,5 @@ def query_rag_request(
         settings=settings,
         key=key,
         max_model_len=max_model_len,
+        history=tuple(TurnIn(role=turn.role, text=turn.text) for turn in body.history),
     )

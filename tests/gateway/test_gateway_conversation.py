@@ -86,3 +86,25 @@ def test_the_retrieval_query_of_a_follow_up_adds_the_user_turn_before_it():
     )
     query = long.search().query
     assert len(query) == MAX_QUESTION_CHARS and query.startswith("q" * 10 + "\nx")
+
+
+def test_a_query_may_carry_history_which_the_gateway_checks_before_any_engine_call(client):
+    question = {"question": "When is its harvest festival?", "max_tokens": 2, "top_k": 1}
+    history = [
+        {"role": "user", "text": "What grows in the Melbrook valley?"},
+        {"role": "assistant", "text": "Silver pears."},
+    ]
+    alone = client.post("/v1/query", json=question)
+    followed = client.post("/v1/query", json={**question, "history": history})
+    assert alone.status_code == followed.status_code == 200, followed.text
+    assert followed.json()["dropped_turns"] == 0
+    assert followed.json()["usage"]["prompt_tokens"] > alone.json()["usage"]["prompt_tokens"]
+    assert [s["doc_id"] for s in followed.json()["sources"]] == ["orchards"]
+    for wrong, named in (
+        (history[::-1], "history.0.role is 'assistant'"),
+        (history[:1], "history ends with a user turn"),
+        ([history[0], {"role": "assistant", "text": " "}], "blank"),
+    ):
+        refused = client.post("/v1/query", json={**question, "history": wrong})
+        assert refused.status_code == 422 and named in refused.text, refused.text
+        assert not refused.json()["detail"].startswith("engine")
