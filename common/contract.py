@@ -39,6 +39,9 @@ MAX_PROMPT_TOKEN_IDS = 1_000_000
 MAX_PRECOMPUTE_CHUNKS = 10_000
 # A response_format's JSON schema, serialized (common.json_grammar.schema_text): bytes at most.
 MAX_JSON_SCHEMA_BYTES = 64 * 1024
+# Earlier turns of a conversation sent with its question (each turn's text is capped by the
+# engine's max_text_chars, as the question is).
+MAX_HISTORY_TURNS = 256
 # A streamed /v1/generate's response header: the engine's estimate of the seconds the request
 # waits before its prefill starts, taken as it was queued (the gateway's first-event deadline).
 QUEUE_ESTIMATE_HEADER = "X-Queue-Estimate"
@@ -76,6 +79,8 @@ class ChunkOrder(StrEnum):
     BEST_LAST = "best_last"
 
 
+# Who said an earlier turn of a conversation (GenerateBody.history).
+TurnRole = Literal["user", "assistant"]
 # ChunkOrder's values, for a setting (a settings flag offers a Literal's values as choices).
 ChunkOrderName = Literal["best_first", "best_last"]
 # The retriever's search modes (docs/retriever.md, "Hybrid retrieval"); None: its default.
@@ -107,6 +112,25 @@ def not_blank(value: str) -> str:
     if not value.strip():
         raise ValueError("must not be blank")
     return value
+
+
+def history_error(roles: list[str]) -> str | None:
+    """What is wrong with the roles of a history (user and assistant alternating, from a user
+    turn to an assistant turn: the conversation every chat template accepts, the question the
+    next user turn), None when nothing is."""
+    for index, role in enumerate(roles):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if role != expected:
+            return (
+                f"history.{index}.role is {role!r}, expected {expected!r}: turns alternate "
+                "user, assistant, starting with a user turn"
+            )
+    if len(roles) % 2:
+        return (
+            "history ends with a user turn: it must end with the assistant's answer (the "
+            "question is the next user turn)"
+        )
+    return None
 
 
 def max_ratio_needs_auto(body: Any) -> Any:
@@ -171,6 +195,16 @@ class ChunkIn(BaseModel):
     text: Text = Field(min_length=1)
 
 
+class TurnIn(BaseModel):
+    """One earlier turn of a conversation: what the user asked, or what the assistant answered."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: TurnRole
+    # Capped by the engine's max_text_chars setting, checked at its route.
+    text: Text = Field(min_length=1)
+
+
 class PrecomputeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -194,6 +228,10 @@ class GenerateBody(BaseModel):
     chunks: list[ChunkIn] = Field(default_factory=list, max_length=MAX_GENERATE_CHUNKS)
     # Unused with prompt_token_ids (then it may be empty).
     question: Text = ""
+    # The conversation before the question, oldest first: user and assistant alternating, from
+    # a user turn to an assistant turn. Rendered by the model's chat template after the
+    # passages (the prompt's suffix); fit_context drops the oldest turns first.
+    history: list[TurnIn] = Field(default_factory=list, max_length=MAX_HISTORY_TURNS)
     mode: ModeField = Mode.CACHEBLEND
     # None: the engine's recompute_ratio and selection settings; max_recompute_ratio bounds
     # "auto" only (None: the engine's auto_max_ratio).
@@ -212,7 +250,8 @@ class GenerateBody(BaseModel):
     stop: Stops | StopString | None = None
     ignore_eos: bool = False
     stream: bool = False
-    # Drop chunks from the end (the worst) until the prompt fits the model.
+    # Drop the oldest turns of history, then chunks from the end (the worst), until the prompt
+    # fits the model (docs/engine.md, "Prompt layout").
     fit_context: bool = False
     # The chunks come best first; best_last lays them out reversed, the best next to the question.
     chunk_order: ChunkOrderField = ChunkOrder.BEST_FIRST
@@ -242,6 +281,7 @@ class GenerateBody(BaseModel):
     def texts(self) -> list[tuple[str, str]]:
         """(field name, text) of every free text, for the length limit."""
         named = [("question", self.question), ("system", self.system or "")]
+        named += [(f"history.{i}.text", t.text) for i, t in enumerate(self.history)]
         return named + [(f"chunks.{i}.text", c.text) for i, c in enumerate(self.chunks)]
 
 
@@ -310,6 +350,7 @@ class GenerateResponse(BaseModel):
     # When asked: each generated token's (an EOS that ended it included); each prompt token's.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    dropped_turns: int  # turns of history dropped, the oldest first, by fit_context
 
 
 class Delta(BaseModel):

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         PrecomputeResult,
         Selection,
         TokenDelta,
+        Turn,
         Usage,
     )
 
@@ -58,6 +59,7 @@ _EXPORTS = {
     "QueueFullError": "engine.errors",
     "Selection": "engine.types",
     "TokenDelta": "engine.types",
+    "Turn": "engine.types",
     "Usage": "engine.types",
 }
 
@@ -83,6 +85,7 @@ __all__ = [
     "QueueFullError",
     "Selection",
     "TokenDelta",
+    "Turn",
     "Usage",
 ]
 

@@ -14,11 +14,14 @@ from typing import Literal, TypeVar
 from common.contract import (
     AUTO_RATIO,
     MAX_ADDITIVE_PENALTY,
+    MAX_HISTORY_TURNS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     ChunkOrder,
     Mode,
     Selection,
+    TurnRole,
+    history_error,
 )
 from engine.errors import InvalidRequestError
 
@@ -153,6 +156,29 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """One earlier turn of a conversation: `role` "user" or "assistant"."""
+
+    role: TurnRole
+    text: str
+
+
+def check_history(history: tuple[Turn, ...]) -> None:
+    """InvalidRequestError unless `history` is at most MAX_HISTORY_TURNS turns, none blank,
+    whose roles pass common.contract.history_error."""
+    if len(history) > MAX_HISTORY_TURNS:
+        raise InvalidRequestError(
+            f"history has {len(history)} turns: more than the limit of {MAX_HISTORY_TURNS}"
+        )
+    error = history_error([turn.role for turn in history])
+    if error is not None:
+        raise InvalidRequestError(error)
+    for index, turn in enumerate(history):
+        if not turn.text.strip():
+            raise InvalidRequestError(f"history.{index}.text must not be empty")
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """One question over chunks. `recompute_ratio=None` takes the engine's default, and so
     do `selection` and each penalty left None (the engine's default penalties).
@@ -162,6 +188,8 @@ class GenerateRequest:
     question: str
     chunks: tuple[Chunk, ...] = ()
     system: str | None = None
+    # The conversation before the question, oldest first (check_history).
+    history: tuple[Turn, ...] = ()
     mode: Mode = Mode.CACHEBLEND
     recompute_ratio: float | Literal["auto"] | None = None
     selection: Selection | None = None
@@ -176,7 +204,8 @@ class GenerateRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, like vLLM's option)
-    # Drop chunks from the end until prompt + max_tokens fits max_model_len (else too long).
+    # Drop the oldest turns of history, then chunks from the end, until prompt + max_tokens
+    # fits max_model_len (engine.blend.layout.fit_prompt; else too long).
     fit_context: bool = False
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # applied after fit_context
     # The prompt as it is, without template, system text or chunks: `question`'s text
@@ -214,6 +243,10 @@ class GenerateRequest:
             raise InvalidRequestError(
                 "prompt_logprobs needs mode full_prefill (every prompt position computed)"
             )
+        object.__setattr__(self, "history", tuple(self.history))
+        check_history(self.history)
+        if self.raw_prompt and self.history:
+            raise InvalidRequestError("a raw prompt has no history")
         if self.selection is not None:
             object.__setattr__(
                 self, "selection", _parse_enum(Selection, self.selection, "selection")
@@ -351,6 +384,7 @@ class GenerateResult:
     # one per prompt token, the first with logprob None.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    dropped_turns: int = 0  # by fit_context, the oldest turns of the request's history
 
 
 @dataclass(frozen=True)

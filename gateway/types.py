@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.contract import (
+    MAX_QUESTION_CHARS,
     ChunkIn,
     ChunkOrder,
     GenerateBody,
@@ -16,6 +17,7 @@ from common.contract import (
     RetrievalName,
     SearchRequest,
     Selection,
+    TurnIn,
 )
 
 
@@ -40,6 +42,10 @@ class RagRequest:
     retrieval: RetrievalName | None = None  # None: the retriever's default
     hops: int = 1
     system: str | None = None
+    # The conversation before the question (user and assistant alternating), and the turns
+    # the route could not send (rag.dropped_turns counts them with the engine's).
+    history: tuple[TurnIn, ...] = ()
+    left_out_turns: int = 0
     mode: Mode = Mode.CACHEBLEND
     # None: the engine's settings; max_recompute_ratio bounds recompute_ratio "auto" only.
     recompute_ratio: float | Literal["auto"] | None = None
@@ -66,9 +72,17 @@ class RagRequest:
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None  # None: free text
 
+    def retrieval_query(self) -> str:
+        """The question, and in a conversation the user turn before it too: a follow-up ("and
+        its timeout?") names its subject there. The question first, so that what a retriever
+        truncates is the earlier turn."""
+        users = [turn.text for turn in self.history if turn.role == "user"]
+        query = f"{self.question}\n{users[-1]}" if users else self.question
+        return query[:MAX_QUESTION_CHARS]
+
     def search(self) -> SearchRequest:
         return SearchRequest(
-            query=self.question,
+            query=self.retrieval_query(),
             top_k=self.top_k,
             doc_ids=self.doc_ids,
             collections=self.collections,
@@ -111,12 +125,14 @@ class EngineRequest:
     def engine_body(self) -> GenerateBody:
         """The engine's /v1/generate body, always streamed: the gateway needs the first token's
         time and must notice a dropped client while the engine is still working. The engine
-        drops chunks from the end (the worst) until the prompt fits (fit_context)."""
+        drops the oldest turns and chunks from the end (the worst) until the prompt fits
+        (fit_context)."""
         rag = self.rag
         return GenerateBody(
             system=rag.system,
             chunks=[ChunkIn(id=s.chunk_id, text=s.text) for s in self.unique_sources()],
             question=rag.question,
+            history=list(rag.history),
             mode=rag.mode,
             recompute_ratio=rag.recompute_ratio,
             max_recompute_ratio=rag.max_recompute_ratio,

@@ -18,7 +18,7 @@ from common.contract import (
     Usage,
 )
 from engine import types
-from engine.types import Chunk, GenerateRequest, GenerateResult
+from engine.types import Chunk, GenerateRequest, GenerateResult, Turn
 
 
 def to_request(body: GenerateBody) -> GenerateRequest:
@@ -26,6 +26,7 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         question=body.question,
         chunks=tuple(Chunk(c.id, c.text) for c in body.chunks),
         system=body.system,
+        history=tuple(Turn(t.role, t.text) for t in body.history),
         mode=body.mode,
         recompute_ratio=body.recompute_ratio,
         selection=body.selection,
@@ -62,6 +63,7 @@ def response_of(result: GenerateResult) -> GenerateResponse:
         dropped_chunks=result.dropped_chunks,
         logprobs=logprobs_out(result.logprobs),
         prompt_logprobs=logprobs_out(result.prompt_logprobs),
+        dropped_turns=result.dropped_turns,
     )
 
 

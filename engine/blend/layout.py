@@ -1,7 +1,7 @@
 """Prompt layout `prefix | chunk_1 | ... | chunk_n | suffix` and the chunk-precompute prefix.
 
 Every chunk is tokenized on its own, so its tokens (and hence its KV key) do not depend on its
-neighbours or its position.
+neighbours or its position. A conversation's earlier turns go in the suffix, always computed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import cached_property
 from jinja2 import TemplateError
 
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.types import ChunkOrder, GenerateRequest
+from engine.types import ChunkOrder, GenerateRequest, Turn
 
 # The demo model (demo/) was trained on prompts with exactly this system prompt and instruction:
 # change either and its weights answer worse. tests/demo/test_demo_quality.py and
@@ -30,6 +30,7 @@ class PromptLayout:
     chunks: tuple[tuple[int, ...], ...]
     suffix: tuple[int, ...]
     dropped_chunks: int = 0  # left out from the end by fitted()
+    dropped_turns: int = 0  # the oldest turns of the history, left out by fit_prompt()
 
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
@@ -55,11 +56,13 @@ class PromptLayout:
         while chunks and total > max_tokens:
             total -= len(chunks.pop())
         dropped = self.dropped_chunks + len(self.chunks) - len(chunks)
-        return PromptLayout(self.prefix, tuple(chunks), self.suffix, dropped)
+        return PromptLayout(self.prefix, tuple(chunks), self.suffix, dropped, self.dropped_turns)
 
     def reversed(self) -> PromptLayout:
         """The same chunks in reverse order (each chunk's tokens, hence its KV key, unchanged)."""
-        return PromptLayout(self.prefix, self.chunks[::-1], self.suffix, self.dropped_chunks)
+        return PromptLayout(
+            self.prefix, self.chunks[::-1], self.suffix, self.dropped_chunks, self.dropped_turns
+        )
 
 
 class PromptBuilder:
@@ -102,47 +105,74 @@ class PromptBuilder:
         return self.encode(text.strip() + CHUNK_SEPARATOR)
 
     def build(
-        self, question: str, chunk_texts: Sequence[str], system: str | None = None
+        self,
+        question: str,
+        chunk_texts: Sequence[str],
+        system: str | None = None,
+        history: Sequence[Turn] = (),
     ) -> PromptLayout:
-        prefix_text, suffix_text = self._frame(question, system or self.default_system)
         chunks = tuple(self.chunk_tokens(text) for text in chunk_texts)
-        return PromptLayout(self.encode(prefix_text), chunks, self.encode(suffix_text))
+        return self.frame(question, chunks, system, history)
+
+    def frame(
+        self,
+        question: str,
+        chunks: tuple[tuple[int, ...], ...],
+        system: str | None = None,
+        history: Sequence[Turn] = (),
+        dropped_turns: int = 0,
+    ) -> PromptLayout:
+        """The prompt around `chunks` (their tokens): `history` (user and assistant alternating,
+        engine.types.check_history) goes in the suffix, between the passages and the question."""
+        prefix_text, suffix_text = self._frame(question, system or self.default_system, history)
+        prefix, suffix = self.encode(prefix_text), self.encode(suffix_text)
+        return PromptLayout(prefix, chunks, suffix, dropped_turns=dropped_turns)
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
 
-    def _frame(self, question: str, system: str) -> tuple[str, str]:
-        """The text before and after the passages."""
+    def _frame(self, question: str, system: str, history: Sequence[Turn]) -> tuple[str, str]:
+        """The text before and after the passages. The passages open the conversation's first
+        user turn, so the text before them is the same with or without history (one prefix to
+        cache) and every turn after them is suffix."""
+        asked = [turn.text.strip() for turn in history] + [question.strip()]
+        # Every user turn reads "Question: ...", as the question alone always has.
+        texts = [text if i % 2 else f"Question: {text}" for i, text in enumerate(asked)]
         if self.uses_chat_template:
-            user = f"{_PASSAGES_SLOT}Question: {question.strip()}"
+            texts[0] = f"{_PASSAGES_SLOT}{texts[0]}"
+            roles = ["user" if i % 2 == 0 else "assistant" for i in range(len(texts))]
+            turns = [{"role": r, "content": t} for r, t in zip(roles, texts, strict=True)]
             instruction = f"{system}\n{INSTRUCTION}"
             try:
-                rendered = self._render(
-                    [{"role": "system", "content": instruction}, {"role": "user", "content": user}]
-                )
+                rendered = self._render([{"role": "system", "content": instruction}, *turns])
             except TemplateError:
                 # Some templates (Mistral's) refuse a system turn: it goes first in the user turn.
-                rendered = self._render([{"role": "user", "content": f"{instruction}\n\n{user}"}])
+                first = {"role": "user", "content": f"{instruction}\n\n{texts[0]}"}
+                rendered = self._render([first, *turns[1:]])
             prefix, slot, suffix = rendered.partition(_PASSAGES_SLOT)
             assert slot, "the chat template dropped the user message"
             return prefix, suffix
         bos = self.tokenizer.bos_token or ""
-        return f"{bos}{system}\n{INSTRUCTION}\n\n", f"Question: {question.strip()}\nAnswer:"
+        answered = [f"{texts[i]}\nAnswer: {texts[i + 1]}\n\n" for i in range(0, len(history), 2)]
+        return f"{bos}{system}\n{INSTRUCTION}\n\n", "".join(answered) + f"{texts[-1]}\nAnswer:"
 
 
 def request_layout(
     prompts: PromptBuilder, request: GenerateRequest, max_model_len: int
 ) -> PromptLayout:
-    """The request's prompt (with `fit_context`, chunks dropped from the end until it fits;
-    then, with chunk_order best_last, the kept chunks reversed), checked by `fitting`."""
+    """The request's prompt (with `fit_context`, turns and chunks dropped until it fits,
+    `fit_prompt`; then, with chunk_order best_last, the kept chunks reversed), checked by
+    `fitting`. A raw prompt is taken as it is."""
     if request.raw_prompt or request.prompt_token_ids is not None:
         layout = prompts.raw(request.question, request.prompt_token_ids)
         return fitting(layout, request.max_tokens, max_model_len)
-    layout = prompts.build(request.question, [c.text for c in request.chunks], request.system)
+    chunks = tuple(prompts.chunk_tokens(c.text) for c in request.chunks)
     if request.fit_context:
-        layout = layout.fitted(max_model_len - request.max_tokens)
+        layout = fit_prompt(prompts, request, chunks, max_model_len - request.max_tokens)
+    else:
+        layout = prompts.frame(request.question, chunks, request.system, request.history)
     if request.chunk_order is ChunkOrder.BEST_LAST:
         layout = layout.reversed()
     return fitting(layout, request.max_tokens, max_model_len)
@@ -156,3 +186,36 @@ def fitting(layout: PromptLayout, max_tokens: int, max_model_len: int) -> Prompt
             f"more than the engine's maximum of {max_model_len} positions"
         )
     return layout
+
+
+def fit_prompt(
+    prompts: PromptBuilder,
+    request: GenerateRequest,
+    chunks: tuple[tuple[int, ...], ...],
+    max_tokens: int,
+) -> PromptLayout:
+    """The request's prompt with what does not fit in `max_tokens` tokens left out, in this
+    order: the oldest exchanges (a user turn and its answer) but the last one, then chunks from
+    the end (the worst), then the last exchange. A follow-up ("and its timeout?") needs the
+    exchange before it more than the worst passage; older turns matter least. The question and
+    the frame always stay, so the result may still be longer."""
+    history = request.history
+    exchanges = len(history) // 2
+
+    def without(dropped: int) -> PromptLayout:  # the oldest `dropped` exchanges left out
+        kept = history[2 * dropped :]
+        return prompts.frame(request.question, chunks, request.system, kept, 2 * dropped)
+
+    # Fewer turns never make a longer suffix: the fewest exchanges to drop, by bisection (a
+    # rendering each), keeping the last one.
+    low, high = 0, max(exchanges - 1, 0)
+    while low < high:
+        middle = (low + high) // 2
+        if without(middle).num_tokens <= max_tokens:
+            high = middle
+        else:
+            low = middle + 1
+    layout = without(low).fitted(max_tokens)
+    if layout.num_tokens <= max_tokens or exchanges == 0:
+        return layout
+    return without(exchanges).fitted(max_tokens)

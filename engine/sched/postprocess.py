@@ -110,6 +110,7 @@ def result(seq: Job) -> GenerateResult:
         dropped_chunks=seq.layout.dropped_chunks,
         logprobs=None if seq.request.logprobs is None else seq.logprobs,
         prompt_logprobs=seq.prompt_logprobs,
+        dropped_turns=seq.layout.dropped_turns,
     )
 
 

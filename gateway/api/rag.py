@@ -8,7 +8,7 @@ import asyncio
 
 from fastapi import HTTPException
 
-from common.contract import ChunkOrder, ResponseFormat
+from common.contract import ChunkOrder, ResponseFormat, TurnIn
 from common.json_grammar import SchemaError, check_grammar, json_grammar
 from gateway.api.deps import query_collections, resolve_max_tokens, resolve_top_k
 from gateway.api.schemas.openai import ChatCompletionRequest, CompletionRequest, RagOptions
@@ -29,9 +29,11 @@ def rag_request(
     settings: GatewaySettings,
     key: ApiKey | None,
     max_model_len: int | None,
+    history: tuple[TurnIn, ...] = (),
+    left_out_turns: int = 0,
 ) -> RagRequest:
     """`options`: what to retrieve and how to blend (the /v1/query body, or an OpenAI body's
-    `rag`); `sampling`: the body's sampling fields."""
+    `rag`); `sampling`: the body's sampling fields; `history`: a chat's earlier turns."""
     top_k = resolve_top_k(options.top_k, settings)
     resolved_max_tokens = resolve_max_tokens(max_tokens, settings, max_model_len)
     return RagRequest(
@@ -42,6 +44,8 @@ def rag_request(
         retrieval=options.retrieval,
         hops=options.hops or settings.default_hops,
         system=system,
+        history=history,
+        left_out_turns=left_out_turns,
         mode=options.mode,
         recompute_ratio=options.recompute_ratio,
         max_recompute_ratio=options.max_recompute_ratio,
@@ -90,4 +94,5 @@ def query_rag_request(
         settings=settings,
         key=key,
         max_model_len=max_model_len,
+        history=tuple(TurnIn(role=turn.role, text=turn.text) for turn in body.history),
     )

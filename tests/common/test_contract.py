@@ -28,7 +28,8 @@ from common.contract import (
     Selection,
 )
 from engine.api.schemas import to_request
-from gateway.api.schemas.openai import RagOptions
+from gateway.api.conversation import conversation
+from gateway.api.schemas.openai import MAX_MESSAGES, ChatCompletionRequest, RagOptions
 from gateway.api.schemas.query import QueryRequest
 from gateway.types import EngineRequest, RagRequest, Source
 from tests.service_process import REPO_ROOT
@@ -155,6 +156,21 @@ def test_the_body_the_gateway_sends_is_the_one_the_engine_takes():
     assert [c.id for c in taken.chunks] == ["c1", "c2"]
     assert taken.stop == ["\n\n"] and taken.presence_penalty == 0.5
     assert taken.stream and taken.fit_context
+
+
+def test_the_longest_chat_the_gateway_accepts_is_a_history_the_engine_takes():
+    said = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"}
+        for i in range(MAX_MESSAGES - 1)
+    ]
+    body = ChatCompletionRequest(messages=[{"role": "system", "content": "Be brief."}, *said])
+    chat = conversation(body.messages)
+    assert chat is not None and chat.question == f"turn {MAX_MESSAGES - 2}"
+    rag = RagRequest(question=chat.question, top_k=2, system=chat.system, history=chat.history)
+    sent = EngineRequest(rag, ()).engine_body().model_dump_json()
+    request = to_request(GenerateBody.model_validate_json(sent))
+    assert [(t.role, t.text) for t in request.history] == [(t.role, t.text) for t in chat.history]
+    assert len(request.history) == MAX_MESSAGES - 2 and request.question == chat.question
 
 
 # The blend options each side takes: the gateway's /v1/query body and OpenAI `rag` object, and

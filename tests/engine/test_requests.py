@@ -17,7 +17,7 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.model.load import load_model
-from engine.types import Chunk, GenerateRequest
+from engine.types import Chunk, GenerateRequest, Turn
 from kvstore import tiers
 
 
@@ -48,6 +48,70 @@ def test_unknown_mode_is_rejected_with_the_known_ones():
 def test_bad_sampling_parameters_are_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):
         GenerateRequest(question="q", **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("history", "message"),
+    [
+        ((Turn("assistant", "hi"), Turn("user", "q")), "history.0.role is 'assistant'"),
+        ((Turn("user", "a"), Turn("user", "b")), "history.1.role is 'user'"),
+        ((Turn("user", "a"),), "ends with a user turn"),
+        ((Turn("user", "a"), Turn("assistant", " ")), "history.1.text must not be empty"),
+        ((Turn("user", "a"), Turn("assistant", "b")) * 129, "has 258 turns: more than the limit"),
+    ],
+)
+def test_a_history_that_is_not_user_and_assistant_alternating_is_rejected(history, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        GenerateRequest(question="q", history=history)
+
+
+def _turns(exchanges: int) -> tuple[Turn, ...]:
+    return tuple(
+        Turn(role, " ".join(random_words(20, 200 + 2 * i + (role == "user"))))
+        for i in range(exchanges)
+        for role in ("user", "assistant")
+    )
+
+
+def test_fit_context_drops_the_oldest_turns_then_chunks_then_the_last_exchange(engine_for):
+    engine = engine_for("qwen2")  # a chat template
+    limit = engine.max_model_len
+    history = _turns(4)
+    chunks = tuple(Chunk(f"c{i}", " ".join(random_words(30, 90 + i))) for i in range(2))
+
+    def tokens(kept_turns: tuple[Turn, ...], kept_chunks: tuple[Chunk, ...]) -> int:
+        asked = GenerateRequest(question="q", chunks=kept_chunks, history=kept_turns)
+        return engine.layout(asked).num_tokens
+
+    def fitted(budget: int) -> GenerateRequest:
+        return GenerateRequest(
+            question="q",
+            chunks=chunks,
+            history=history,
+            max_tokens=limit - budget,
+            fit_context=True,
+        )
+
+    assert tokens(history, chunks) < limit
+    # Room for all but the oldest exchange: it goes, and nothing else.
+    layout = engine.layout(fitted(tokens(history[2:], chunks)))
+    assert (layout.dropped_turns, layout.dropped_chunks) == (2, 0)
+    assert (
+        layout.token_ids
+        == engine.layout(
+            GenerateRequest(question="q", chunks=chunks, history=history[2:])
+        ).token_ids
+    )
+    assert engine.generate(fitted(tokens(history[2:], chunks))).dropped_turns == 2
+    # Not even the last exchange with every chunk: the worst chunk goes before that exchange.
+    layout = engine.layout(fitted(tokens(history[6:], chunks) - 1))
+    assert (layout.dropped_turns, layout.dropped_chunks) == (6, 1)
+    assert layout.num_tokens == tokens(history[6:], chunks[:1])
+    # Not the last exchange alone: it goes too, and the chunks that then fit come back.
+    layout = engine.layout(fitted(tokens(history[6:], ()) - 1))
+    assert layout.dropped_turns == 8 and layout.dropped_chunks < 2
+    kept = chunks[: 2 - layout.dropped_chunks]
+    assert layout.num_tokens == tokens((), kept)
 
 
 def test_prompt_longer_than_the_models_positions_is_rejected(engine_for):

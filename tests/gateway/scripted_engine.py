@@ -142,6 +142,7 @@ def _result(body: GenerateBody) -> GenerateResponse:
         ),
         chunk_tiers=[],
         dropped_chunks=0,
+        dropped_turns=0,
     )
 
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
+
+from demo.tiny import random_words
+from engine.blend.layout import PromptBuilder
+from engine.types import Turn
 
 
 @pytest.fixture
@@ -179,3 +184,74 @@ def test_a_request_without_temperature_gets_the_engines_default_not_openais(clie
         "/v1/chat/completions", json={**CHAT, "max_tokens": 16, "temperature": 0}
     ).json()
     assert plain["choices"][0]["message"] == greedy["choices"][0]["message"]
+
+
+MELBROOK = [
+    {"role": "user", "content": "What grows in the Melbrook valley?"},
+    {"role": "assistant", "content": "Silver pears."},
+]
+
+
+def test_a_chat_sends_its_earlier_turns_rendered_by_the_models_template(openai_client, tiny_model):
+    question = "When is its harvest festival?"
+    reply = openai_client.chat.completions.create(
+        model="ragblend",
+        max_tokens=2,
+        temperature=0,
+        messages=[*MELBROOK, {"role": "user", "content": question}],
+        extra_body={"rag": {"top_k": 2, "chunk_order": "best_first"}},
+    )
+    rag = reply.model_extra["rag"]
+    assert rag["dropped_turns"] == 0 and rag["dropped_sources"] == 0
+    # The engine's prompt, built here from what the answer says it used: the turns are in it.
+    prompts = PromptBuilder(AutoTokenizer.from_pretrained(tiny_model))
+    passages = [s["text"] for s in rag["sources"]]
+    turns = [Turn(m["role"], m["content"]) for m in MELBROOK]
+    assert reply.usage.prompt_tokens == prompts.build(question, passages, history=turns).num_tokens
+    assert reply.usage.prompt_tokens > prompts.build(question, passages).num_tokens
+
+
+@pytest.mark.parametrize(
+    ("earlier", "doc_id"),
+    [("What grows in the Melbrook valley?", "orchards"), ("Is the Kessa pass open?", "mountains")],
+)
+def test_a_follow_up_is_retrieved_with_the_user_turn_before_it(openai_client, earlier, doc_id):
+    reply = openai_client.chat.completions.create(
+        model="ragblend",
+        max_tokens=1,
+        messages=[
+            {"role": "user", "content": earlier},
+            {"role": "assistant", "content": "I can tell you."},
+            {"role": "user", "content": "Tell me more."},
+        ],
+        extra_body={"rag": {"top_k": 1, "retrieval": "bm25"}},
+    )
+    assert [s["doc_id"] for s in reply.model_extra["rag"]["sources"]] == [doc_id]
+
+
+def test_a_chat_too_long_for_the_model_loses_its_oldest_turns_first_and_says_so(
+    spawn_engine, spawn_gateway, documents
+):
+    gateway = spawn_gateway(spawn_engine("--max-model-len", "384"))
+    history = [
+        {"role": role, "content": " ".join(random_words(30, 300 + 2 * i + (role == "user")))}
+        for i in range(5)
+        for role in ("user", "assistant")
+    ]
+    greeting = {"role": "assistant", "content": "Hello! Ask me about Quendor."}
+    question = {"role": "user", "content": "Where does the Zorblax river flow?"}
+    ask = {"max_tokens": 4, "temperature": 0, "rag": {"top_k": 1}}
+    with gateway.client() as http:
+        reply = http.post(
+            "/v1/chat/completions", json={**ask, "messages": [greeting, *history, question]}
+        )
+        assert reply.status_code == 200, reply.text
+        rag = reply.json()["rag"]
+        dropped = rag["dropped_turns"] - 1  # the greeting is never sent: no user turn before it
+        assert dropped in (2, 4, 6, 8) and rag["dropped_sources"] == 0
+        kept = http.post(
+            "/v1/chat/completions", json={**ask, "messages": [*history[dropped:], question]}
+        ).json()
+    assert kept["rag"]["dropped_turns"] == 0 and kept["rag"]["sources"] == rag["sources"]
+    assert kept["usage"]["prompt_tokens"] == reply.json()["usage"]["prompt_tokens"]
+    assert kept["choices"][0]["message"] == reply.json()["choices"][0]["message"]

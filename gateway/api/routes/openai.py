@@ -1,6 +1,6 @@
-"""OpenAI-compatible routes: /v1/chat/completions (retrieval over the last user message),
-/v1/completions (over the prompt) and /v1/models, whose second model id serves the model
-without retrieval (the prompt as sent); streams end with `data: [DONE]`."""
+"""OpenAI-compatible routes: /v1/chat/completions (the conversation, retrieval over its last two
+user turns), /v1/completions (over the prompt) and /v1/models, whose second model id serves the
+model without retrieval (the prompt as sent); streams end with `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 
 from common.contract import Mode, TokenLogprob
 from common.sse import sse
+from gateway.api.conversation import Conversation, conversation
 from gateway.api.deps import ApiKeyDep, PipelineDep, SettingsDep, key_name
 from gateway.api.rag import check_response_format, rag_request
 from gateway.api.responses import GENERATION_ERRORS, KEYED
@@ -76,19 +77,18 @@ async def chat_completions(
     settings: SettingsDep,
     key: ApiKeyDep,
 ):
-    users = [m for m in body.messages if m.role == "user" and m.text.strip()]
-    if not users:
+    chat = conversation(body.messages)
+    if chat is None:
         raise HTTPException(422, detail="messages: no user message with text to answer")
-    # The engine's prompt has one system text and one question: earlier turns are not sent.
-    system = "\n".join(m.text for m in body.messages if m.role in ("system", "developer"))
     run = await _start(
         pipeline,
         body,
-        users[-1].text,
-        system or None,
+        chat.question,
+        chat.system,
         request,
         settings,
         key,
+        chat,
         retrieve=body.model != settings.no_rag_model,
         logprobs=body.logprob_count,
     )
@@ -227,6 +227,7 @@ async def _start(
     request: Request,
     settings: GatewaySettings,
     key: ApiKey | None,
+    chat: Conversation | None = None,
     **fields: Any,
 ) -> _Run:
     """Start the generation; `fields` replace those of the RagRequest the body gives
@@ -249,6 +250,8 @@ async def _start(
         settings=settings,
         key=key,
         max_model_len=pipeline.engines.max_model_len,
+        history=chat.history if chat else (),
+        left_out_turns=chat.left_out_turns if chat else 0,
     )
     rag = replace(rag, **fields)
     log.info(
@@ -275,6 +278,7 @@ class _Run:
         return RagInfo(
             sources=[SourceOut.of(s) for s in self.generation.used_sources(outcome.dropped_chunks)],
             dropped_sources=outcome.dropped_chunks,
+            dropped_turns=outcome.dropped_turns + self.generation.rag.left_out_turns,
             collections=self.generation.rag.collections,
             mode=self.generation.mode,
             recomputed_tokens=outcome.usage.recomputed_tokens,

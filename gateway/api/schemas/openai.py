@@ -252,6 +252,11 @@ class RagInfo(BaseModel):
 
     sources: list[SourceOut] = Field(description="the sources in the prompt, best first")
     dropped_sources: int = Field(description="retrieved sources left out so the prompt fit")
+    dropped_turns: int = Field(
+        0,
+        description="earlier turns of the chat not sent: the oldest ones, so the prompt fit, "
+        "and assistant messages before the first user message",
+    )
     collections: list[str] | None = Field(description="the collections searched (None: all)")
     mode: Mode
     recomputed_tokens: int

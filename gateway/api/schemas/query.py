@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.contract import (
+    MAX_HISTORY_TURNS,
     MAX_QUESTION_CHARS,
     AdditivePenalty,
     Blend,
@@ -24,7 +25,9 @@ from common.contract import (
     Stops,
     Temperature,
     TopP,
+    TurnRole,
     Usage,
+    history_error,
     max_ratio_needs_auto,
     not_blank,
 )
@@ -67,10 +70,26 @@ SAMPLING_DEFAULT_DESCRIPTION = (
 )
 
 
+class QueryTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: TurnRole
+    text: Text = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+
+    _text_not_blank = field_validator("text")(not_blank)
+
+
 class QueryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     question: Text = Field(min_length=1, max_length=MAX_QUESTION_CHARS)
+    history: list[QueryTurn] = Field(
+        default_factory=list,
+        max_length=MAX_HISTORY_TURNS,
+        description="the conversation before the question, oldest first: user and assistant "
+        "alternating, from a user turn to an assistant turn; the oldest dropped first when the "
+        "prompt does not fit",
+    )
     # Upper bounds of top_k and max_tokens are settings, checked in the route.
     top_k: int | None = Field(None, ge=1, description="default: the gateway's default_top_k")
     mode: Mode = Mode.CACHEBLEND
@@ -97,6 +116,14 @@ class QueryRequest(BaseModel):
 
     _question_not_blank = field_validator("question")(not_blank)
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
+
+    @field_validator("history")
+    @classmethod
+    def _history_alternates(cls, history: list[QueryTurn]) -> list[QueryTurn]:
+        error = history_error([turn.role for turn in history])
+        if error is not None:
+            raise ValueError(error)
+        return history
 
 
 class SourceOut(BaseModel):
@@ -132,6 +159,9 @@ class QueryResponse(BaseModel):
     dropped_sources: int = Field(
         description="retrieved sources left out (the worst) so that the prompt fit the model"
     )
+    dropped_turns: int = Field(
+        description="turns of history left out (the oldest) so that the prompt fit the model"
+    )
     usage: Usage
     timings: TimingsOut
     blend: Blend
@@ -158,6 +188,7 @@ class QueryResponse(BaseModel):
             mode=mode,
             sources=[SourceOut.of(s) for s in used_sources],
             dropped_sources=outcome.dropped_chunks,
+            dropped_turns=outcome.dropped_turns,
             usage=outcome.usage,
             timings=TimingsOut(
                 retrieval_s=retrieval_s, ttft_s=ttft_s, total_s=total_s, engine=engine_timings

@@ -320,3 +320,33 @@ def test_failed_kv_writes_are_reported_by_precompute_health_and_metrics(failing_
         assert str(failing_disk_service.log_path.parent) not in json.dumps(health)
         assert metric_value(c, "ragblend_engine_kv_write_failures_total", tier="ssd") == 3
         assert metric_value(c, "ragblend_engine_precomputed_chunks_total", result="failed") == 3
+
+
+def test_history_is_rendered_fitted_by_its_oldest_turns_and_checked(service):
+    turns = [
+        {"role": role, "text": words(150, 40 + 2 * i + (role == "user"))}
+        for i in range(4)
+        for role in ("user", "assistant")
+    ]
+    ask = {"question": "and its river?", "max_tokens": 8, "mode": "full_prefill"}
+    with client(service) as c:
+        too_long = c.post("/v1/generate", json={**ask, "history": turns})
+        assert too_long.status_code == 422 and "prompt has" in too_long.json()["detail"]
+        fitted = c.post("/v1/generate", json={**ask, "history": turns, "fit_context": True})
+        assert fitted.status_code == 200, fitted.text
+        dropped = fitted.json()["dropped_turns"]
+        assert dropped in (2, 4, 6) and fitted.json()["dropped_chunks"] == 0
+        kept = c.post("/v1/generate", json={**ask, "history": turns[dropped:]}).json()
+        assert kept["dropped_turns"] == 0 and fitted.json()["text"] == kept["text"]
+        assert fitted.json()["usage"]["prompt_tokens"] == kept["usage"]["prompt_tokens"]
+        alone = c.post("/v1/generate", json=ask).json()
+        assert alone["usage"]["prompt_tokens"] < kept["usage"]["prompt_tokens"]
+        swapped = [turns[1], turns[0]]
+        wrong = c.post("/v1/generate", json={**ask, "history": swapped})
+        assert wrong.status_code == 422 and "history.0.role" in wrong.json()["detail"]
+        unknown = c.post("/v1/generate", json={**ask, "history": [{"role": "tool", "text": "x"}]})
+        assert unknown.status_code == 422 and "history" in unknown.text
+        long_turn = [{"role": "user", "text": "x" * (MAX_TEXT_CHARS + 1)}, turns[1]]
+        refused = c.post("/v1/generate", json={**ask, "history": long_turn})
+        assert refused.status_code == 422
+        assert refused.json()["detail"].startswith(f"history.0.text: {MAX_TEXT_CHARS + 1} char")

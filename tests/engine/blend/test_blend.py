@@ -16,7 +16,7 @@ from engine.blend.plan import ChunkSource
 from engine.blend.prefill import PrefillAsk
 from engine.blend.selection import Selection
 from engine.engine import Engine
-from engine.types import GenerateRequest, Mode
+from engine.types import GenerateRequest, Mode, Turn
 from tests.engine.hf_reference import cache_keyword
 from tests.kvstore.kv_testutil import read_entry
 
@@ -64,6 +64,27 @@ def test_ratio_one_equals_full_prefill_logits_and_kv(engine_for, make_chunks, fa
     torch.testing.assert_close(blended.output.logits, full.logits, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(blended.output.keys, full.keys, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(blended.output.values, full.values, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_conversation_at_ratio_one_equals_full_prefill_of_the_same_prompt(
+    engine_for, make_chunks, family
+):
+    engine = engine_for(family)
+    chunks = make_chunks(3, seed=23)
+    engine.precompute(chunks)
+    history = (Turn("user", "where is kalo vo?"), Turn("assistant", "zuka tas pe drisol."))
+    full = engine.prefill(request(chunks, history=history, mode=Mode.FULL_PREFILL))
+    blended = engine.prefill(request(chunks, history=history, recompute_ratio=1.0))
+    # The turns are suffix tokens, after the passages: the blend is unchanged around them.
+    assert blended.layout.suffix != engine.prefill(request(chunks)).layout.suffix
+    assert blended.layout.token_ids == full.layout.token_ids
+    assert blended.plan.chunk_sources == (ChunkSource.BLEND,) * 3
+    torch.testing.assert_close(blended.output.logits, full.output.logits, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(blended.output.keys, full.output.keys, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(blended.output.values, full.output.values, rtol=RTOL, atol=ATOL)
+    logits, _ = hf_forward(engine, full.layout.token_ids)
+    torch.testing.assert_close(full.output.logits, logits, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.blend.layout import PromptBuilder, PromptLayout
 from engine.model.load import load_model
+from engine.types import Turn
 
 
 def test_chunk_tokens_do_not_depend_on_neighbours_or_order(checkpoint_dir):
@@ -63,3 +64,42 @@ def test_fitted_drops_chunks_from_the_end_until_the_prompt_fits():
     assert kept_two.fitted(11).dropped_chunks == 2
     none_fit = layout.fitted(2)  # prefix and suffix alone are 3: still too long, all dropped
     assert none_fit.chunks == () and none_fit.dropped_chunks == 3 and none_fit.num_tokens == 3
+
+
+EARLIER = (Turn("user", "where is kalo?"), Turn("assistant", "in zu ka."))
+
+
+def test_earlier_turns_go_between_the_passages_and_the_question_through_the_template(
+    checkpoint_dir,
+):
+    tokenizer = load_model(checkpoint_dir("qwen2")).tokenizer
+    prompts = PromptBuilder(tokenizer)
+    alone = prompts.build("and its river?", ["zu ka."])
+    layout = prompts.build("and its river?", ["zu ka."], history=EARLIER)
+    assert layout.prefix == alone.prefix and layout.chunks == alone.chunks  # one prefix to cache
+    assert tokenizer.decode(layout.suffix) == (
+        "Question: where is kalo?<|im_end|>\n<|im_start|>assistant\nin zu ka.<|im_end|>\n"
+        "<|im_start|>user\nQuestion: and its river?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_plain_template_writes_earlier_turns_as_answered_questions(checkpoint_dir):
+    tokenizer = load_model(checkpoint_dir("llama")).tokenizer
+    layout = PromptBuilder(tokenizer).build("and its river?", ["zu ka."], history=EARLIER)
+    assert tokenizer.decode(layout.suffix) == (
+        "Question: where is kalo?\nAnswer: in zu ka.\n\nQuestion: and its river?\nAnswer:"
+    )
+
+
+def test_a_template_without_a_system_turn_keeps_the_earlier_turns(checkpoint_dir):
+    tokenizer = load_model(checkpoint_dir("qwen2")).tokenizer
+    tokenizer.chat_template = (  # like Mistral's: user/assistant only
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+        "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+    )
+    layout = PromptBuilder(tokenizer).build("and its river?", ["zu ka."], history=EARLIER)
+    assert tokenizer.decode(layout.suffix) == (
+        "Question: where is kalo? [/INST]in zu ka.</s>[INST] Question: and its river? [/INST]"
+    )
