@@ -21,7 +21,7 @@ from engine.types import Chunk, GenerateRequest, GenerateResult
 def to_request(body: GenerateBody) -> GenerateRequest:
     return GenerateRequest(
         question=body.question,
-        chunks=tuple(Chunk(c.id, c.text) for c in body.chunks),
+        chunks=tuple(Chunk(c.id, c.text, c.cache_salt) for c in body.chunks),
         system=body.system,
         mode=body.mode,
         recompute_ratio=body.recompute_ratio,
@@ -38,6 +38,7 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         ignore_eos=body.ignore_eos,
         fit_context=body.fit_context,
         chunk_order=body.chunk_order,
+        cache_salt=body.cache_salt,
     )
 
 

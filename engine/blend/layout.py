@@ -7,7 +7,7 @@ neighbours or its position.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from jinja2 import TemplateError
@@ -22,6 +22,8 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 INSTRUCTION = "Answer the question using the passages below."
 CHUNK_SEPARATOR = "\n\n"
 _PASSAGES_SLOT = "\u2063RAGBLEND_PASSAGES\u2063"
+# A chunk's tokens and its cache salt: what its KV key is made of.
+SaltedChunk = tuple[tuple[int, ...], str]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,19 @@ class PromptLayout:
     chunks: tuple[tuple[int, ...], ...]
     suffix: tuple[int, ...]
     dropped_chunks: int = 0  # left out from the end by fitted()
+    # Each chunk's cache salt (its KV key's scope, kvstore.types.chunk_key); empty: none salted.
+    chunk_salts: tuple[str, ...] = ()
+    # The request's cache salt: the scope of its prefix's cached KV (engine/prefix_cache.py).
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        assert not self.chunk_salts or len(self.chunk_salts) == len(self.chunks)
+
+    @property
+    def salted_chunks(self) -> list[SaltedChunk]:
+        """(tokens, cache salt) of each chunk: what its KV key is made of."""
+        salts = self.chunk_salts or ("",) * len(self.chunks)
+        return list(zip(self.chunks, salts, strict=True))
 
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
@@ -55,11 +70,12 @@ class PromptLayout:
         while chunks and total > max_tokens:
             total -= len(chunks.pop())
         dropped = self.dropped_chunks + len(self.chunks) - len(chunks)
-        return PromptLayout(self.prefix, tuple(chunks), self.suffix, dropped)
+        salts = self.chunk_salts[: len(chunks)]
+        return replace(self, chunks=tuple(chunks), dropped_chunks=dropped, chunk_salts=salts)
 
     def reversed(self) -> PromptLayout:
         """The same chunks in reverse order (each chunk's tokens, hence its KV key, unchanged)."""
-        return PromptLayout(self.prefix, self.chunks[::-1], self.suffix, self.dropped_chunks)
+        return replace(self, chunks=self.chunks[::-1], chunk_salts=self.chunk_salts[::-1])
 
 
 class PromptBuilder:
@@ -123,6 +139,11 @@ def request_layout(
     """The request's prompt (with `fit_context`, chunks dropped from the end until it fits;
     then, with chunk_order best_last, the kept chunks reversed), checked by `fitting`."""
     layout = prompts.build(request.question, [c.text for c in request.chunks], request.system)
+    salts = tuple(c.cache_salt for c in request.chunks)
+    if any(salts) or request.cache_salt:
+        layout = replace(
+            layout, chunk_salts=salts if any(salts) else (), cache_salt=request.cache_salt
+        )
     if request.fit_context:
         layout = layout.fitted(max_model_len - request.max_tokens)
     if request.chunk_order is ChunkOrder.BEST_LAST:
