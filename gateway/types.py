@@ -24,7 +24,16 @@ class Source:
     doc_id: str
     score: float
     text: str
-    collection: str
+    collection: str  # "" for a passage the request brought
+    cache_salt: str = ""  # the scope of its KV (gateway/tenancy.py)
+
+
+@dataclass(frozen=True)
+class RequestPassage:
+    """A passage the request brought (doc_id: the id it gave, else passage-<index>)."""
+
+    doc_id: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,14 @@ class RagRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # the prompt's; sources stay best first
+    # The request's own passages, blended before what the search finds; searches: False with
+    # retrieval "none".
+    passages: tuple[RequestPassage, ...] = ()
+    searches: bool = True
+    # The salt of its passages and prompt prefix, and whether a retrieved chunk takes its
+    # collection's (gateway/tenancy.py).
+    cache_salt: str = ""
+    collection_salts: bool = False
 
     def search(self) -> SearchRequest:
         return SearchRequest(
@@ -104,7 +121,10 @@ class EngineRequest:
         rag = self.rag
         return GenerateBody(
             system=rag.system,
-            chunks=[ChunkIn(id=s.chunk_id, text=s.text) for s in self.unique_sources()],
+            chunks=[
+                ChunkIn(id=s.chunk_id, text=s.text, cache_salt=s.cache_salt)
+                for s in self.unique_sources()
+            ],
             question=rag.question,
             mode=rag.mode,
             recompute_ratio=rag.recompute_ratio,
@@ -121,6 +141,7 @@ class EngineRequest:
             stream=True,
             fit_context=True,
             chunk_order=rag.chunk_order,
+            cache_salt=rag.cache_salt,
         )
 
 

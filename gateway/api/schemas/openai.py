@@ -10,15 +10,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from common.contract import (
     MAX_QUESTION_CHARS,
     AdditivePenalty,
+    CacheSalt,
     ChunkOrder,
     Collections,
     DocIds,
     Hops,
     Mode,
+    Passages,
     Ratio,
     RecomputeRatio,
     RepetitionPenalty,
-    RetrievalName,
+    RequestRetrievalName,
     Selection,
     StopString,
     TopP,
@@ -27,7 +29,9 @@ from common.contract import (
 )
 from common.validation import Seed, Text
 from gateway.api.schemas.query import (
+    CACHE_SALT_DESCRIPTION,
     CHUNK_ORDER_DESCRIPTION,
+    DOCUMENTS_DESCRIPTION,
     HOPS_DESCRIPTION,
     MAX_RECOMPUTE_RATIO_DESCRIPTION,
     PENALTY_DESCRIPTION,
@@ -59,9 +63,10 @@ class RagOptions(BaseModel):
     collections: Collections | None = Field(
         None, description="search only these (default: all the API key may use)"
     )
-    retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
+    retrieval: RequestRetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: Hops | None = Field(None, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
+    documents: Passages | None = Field(None, description=DOCUMENTS_DESCRIPTION)
 
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 
@@ -128,6 +133,8 @@ class _SamplingRequest(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_OPENAI_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension, top-level as vLLM has it.
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_DESCRIPTION)
     rag: RagOptions = Field(default_factory=RagOptions)
 
     def unsupported(self) -> list[str]:
