@@ -3,7 +3,9 @@ the API key, and the limits that are settings checked (422, or 403 for a collect
 
 from __future__ import annotations
 
-from common.contract import NO_RETRIEVAL, ChunkOrder
+from fastapi import HTTPException
+
+from common.contract import MAX_PASSAGE_CHARS, MAX_PASSAGES, NO_RETRIEVAL, ChunkOrder
 from gateway.api.deps import query_collections, resolve_max_tokens, resolve_top_k
 from gateway.api.schemas.openai import ChatCompletionRequest, CompletionRequest, RagOptions
 from gateway.api.schemas.query import QueryRequest
@@ -43,6 +45,7 @@ def rag_request(
         first = len(passages)
         passages += [RequestPassage(f"passage-{first + i}", t) for i, t in enumerate(texts)]
         retrieval = retrieval or NO_RETRIEVAL
+        _check_split_passages(passages)
     scope = CacheScope(settings.cache_sharing, settings.keyed)
     return RagRequest(
         question=question,
@@ -104,3 +107,18 @@ def split_prompt(text: str, separator: str | None) -> tuple[str | None, list[str
     if not last.strip():
         return None
     return (first if first.strip() else None), [m for m in middle if m.strip()], last
+
+
+def _check_split_passages(passages: list[RequestPassage]) -> None:
+    """The limits of documents, for passages split from a prompt too (a 422 naming them)."""
+    if len(passages) > MAX_PASSAGES:
+        raise HTTPException(
+            422, detail=f"prompt: {len(passages)} passages, more than {MAX_PASSAGES}"
+        )
+    for passage in passages:
+        if len(passage.text) > MAX_PASSAGE_CHARS:
+            raise HTTPException(
+                422,
+                detail=f"prompt: passage {passage.doc_id} has more than {MAX_PASSAGE_CHARS} "
+                "characters",
+            )

@@ -182,3 +182,11 @@ def test_langchain_chat_openai_sends_passages_in_extra_body(gateway, documents):
         if cached:
             break
     assert cached > 0
+
+
+def test_a_split_prompt_beyond_the_passage_limits_is_a_422(lmcache_gateway):
+    too_many = " # # ".join(["sys"] + ["p"] * (MAX_PASSAGES + 1) + [QUESTION])
+    with httpx.Client(base_url=lmcache_gateway.url, timeout=120) as http:
+        response = http.post("/v1/completions", json={"prompt": too_many, "max_tokens": 1})
+    assert response.status_code == 422, response.text
+    assert "passages" in response.text
