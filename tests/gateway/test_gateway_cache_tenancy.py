@@ -24,7 +24,7 @@ def bearer(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory):
-    """alice and bob may use collection a; carol too, under the same name scope as no one."""
+    """alice, bob and carol may all use collection a: only the key tells them apart."""
     path = tmp_path_factory.mktemp("cache-keys") / "keys.json"
     entries = [
         {"name": "alice", "key": ALICE, "collections": ["a"]},
