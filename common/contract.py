@@ -31,6 +31,15 @@ MAX_TEMPERATURE = 10.0
 # The default of the gateway's and the engine's max_tokens_limit setting.
 MAX_TOKENS_LIMIT = 4096
 MAX_CHUNK_ID_CHARS = 256
+# Passages an application sends with a request (an OpenAI body's rag.documents, /v1/query's
+# documents): how many, and the characters of one (it is chunked like an ingested document).
+MAX_PASSAGES = 64
+MAX_PASSAGE_CHARS = 50_000
+# A request's cache_salt (vLLM's field), and the salt of a chunk or a prompt on the wire to the
+# engine (the gateway sends a hash: 64 hex characters).
+MAX_CACHE_SALT_CHARS = 256
+# The retriever's /v1/chunk: texts of one call.
+MAX_CHUNK_TEXTS = MAX_PASSAGES
 MAX_GENERATE_CHUNKS = 1_000
 # Top alternatives of a token's log-probability: OpenAI's bound of top_logprobs (and vLLM's).
 MAX_LOGPROBS = 20
@@ -85,6 +94,9 @@ TurnRole = Literal["user", "assistant"]
 ChunkOrderName = Literal["best_first", "best_last"]
 # The retriever's search modes (docs/retriever.md, "Hybrid retrieval"); None: its default.
 RetrievalName = Literal["dense", "bm25", "hybrid"]
+# A generating request's retrieval: a search mode, or "none" (no search: its own passages only).
+NO_RETRIEVAL = "none"
+RequestRetrievalName = RetrievalName | Literal["none"]
 
 # Enums by value even in strict bodies (JSON has no enum instances).
 ModeField = Annotated[Mode, Strict(False)]
@@ -187,12 +199,38 @@ class ResponseFormat(BaseModel):
         return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+CacheSalt = Annotated[Text, Field(max_length=MAX_CACHE_SALT_CHARS)]
+
+
+class Passage(BaseModel):
+    """A passage an application sends with its request, chunked like an ingested document and
+    blended like a retrieved chunk."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CHUNK_ID_CHARS,
+        description="its doc_id in the response's sources; default: passage-<its index>",
+    )
+    text: Text = Field(min_length=1, max_length=MAX_PASSAGE_CHARS)
+
+    _text_not_blank = field_validator("text")(not_blank)
+
+
+Passages = Annotated[list[Passage], Field(min_length=1, max_length=MAX_PASSAGES)]
+
+
 class ChunkIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "0" is not 0, nor 0 False
 
     id: Text = Field(min_length=1, max_length=MAX_CHUNK_ID_CHARS)
     # Capped by the engine's max_text_chars setting, checked at its route.
     text: Text = Field(min_length=1)
+    # The scope of the chunk's KV (kvstore.types.chunk_key): stored and found under this salt
+    # only, so that a tenant's KV never answers another tenant's lookup; "": unscoped.
+    cache_salt: CacheSalt = ""
 
 
 class TurnIn(BaseModel):
@@ -265,6 +303,9 @@ class GenerateBody(BaseModel):
     prompt_logprobs: LogprobCount | None = None
     # None or type text: free text; else the tokens are masked to JSON (docs/engine.md).
     response_format: ResponseFormat | None = None
+    # The scope of the prompt prefix's cached KV (system prompt, template start); each chunk
+    # carries its own.
+    cache_salt: CacheSalt = ""
 
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 
@@ -411,3 +452,21 @@ class SearchResult(BaseModel):
 
 class SearchResponse(BaseModel):
     results: list[SearchResult]
+
+
+class ChunkTextsRequest(BaseModel):
+    """The retriever's /v1/chunk: texts to split as an ingested document is split."""
+
+    texts: list[Annotated[Text, Field(min_length=1, max_length=MAX_PASSAGE_CHARS)]] = Field(
+        min_length=1, max_length=MAX_CHUNK_TEXTS
+    )
+
+
+class TextChunk(BaseModel):
+    chunk_id: str = Field(description="a hash of its text, as an ingested chunk's")
+    text: str
+    num_tokens: int
+
+
+class ChunkTextsResponse(BaseModel):
+    chunks: list[list[TextChunk]] = Field(description="per text, its chunks in order")

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 from engine.blend.budget import StepBudget
 from engine.blend.dense import Pausable
-from engine.blend.layout import PromptBuilder
+from engine.blend.layout import PromptBuilder, SaltedChunk
 from engine.blend.prefill import Prefiller
 from engine.errors import ChunkTooLongError
 from engine.sched.worker import Worker
@@ -64,12 +64,15 @@ class ChunkPrecompute:
         )
         return _tally(done, written)
 
-    def tokens(self, chunks: Iterable[Chunk | str]) -> list[tuple[int, ...]]:
-        """The tokens of each chunk; ChunkTooLongError names the first one longer than
-        `max_chunk_tokens` (its KV could never be used)."""
+    def tokens(self, chunks: Iterable[Chunk | str]) -> list[SaltedChunk]:
+        """The tokens of each chunk, with its cache salt; ChunkTooLongError names the first one
+        longer than `max_chunk_tokens` (its KV could never be used)."""
         result = []
         for index, chunk in enumerate(chunks):
-            name, text = (chunk.id, chunk.text) if isinstance(chunk, Chunk) else (index, chunk)
+            if isinstance(chunk, Chunk):
+                name, text, salt = chunk.id, chunk.text, chunk.cache_salt
+            else:
+                name, text, salt = str(index), chunk, ""
             tokens = self.prompts.chunk_tokens(text)
             if len(tokens) > self.max_chunk_tokens:
                 raise ChunkTooLongError(
@@ -77,36 +80,35 @@ class ChunkPrecompute:
                     f"{self.max_chunk_tokens} a chunk may use in a prompt of max_model_len "
                     f"{self.max_model_len} positions"
                 )
-            result.append(tokens)
+            result.append((tokens, salt))
         return result
 
-    def write_back(self, missing: list[tuple[int, ...]]) -> None:
+    def write_back(self, missing: list[SaltedChunk]) -> None:
         """Queue the KV of chunks a prefill found missing (in every tier) as background work;
         one that finds the queue full is dropped (the next prompt that misses it asks again)."""
-        for tokens in missing:
-            self.worker.offer(functools.partial(self._compute, tokens))
+        for chunk in missing:
+            self.worker.offer(functools.partial(self._compute, chunk))
 
-    def _missing(self, chunks: list[tuple[int, ...]]) -> list[tuple[int, ...] | None]:
-        """Each chunk's tokens, or None where the store has its KV already."""
-        found = self.store.lookup([self.prefiller.chunk_key(tokens) for tokens in chunks])
-        return [
-            tokens if tier is None else None for tokens, tier in zip(chunks, found, strict=True)
-        ]
+    def _missing(self, chunks: list[SaltedChunk]) -> list[SaltedChunk | None]:
+        """Each chunk, or None where the store has its KV already."""
+        found = self.store.lookup([self.prefiller.chunk_key(*chunk) for chunk in chunks])
+        return [chunk if tier is None else None for chunk, tier in zip(chunks, found, strict=True)]
 
-    def _submit(self, chunks: list[tuple[int, ...] | None]) -> list[_Write]:
+    def _submit(self, chunks: list[SaltedChunk | None]) -> list[_Write]:
         """A skip for each chunk the store has, the others' computes queued as background work,
         all or none (BackgroundQueueFullError)."""
-        missing = [tokens for tokens in chunks if tokens is not None]
+        missing = [chunk for chunk in chunks if chunk is not None]
         futures = iter(
-            self.worker.submit_all([functools.partial(self._compute, t) for t in missing])
+            self.worker.submit_all([functools.partial(self._compute, c) for c in missing])
         )
-        return [ChunkWrite(skipped=True) if t is None else next(futures) for t in chunks]
+        return [ChunkWrite(skipped=True) if c is None else next(futures) for c in chunks]
 
-    def _compute(self, tokens: tuple[int, ...], budget: StepBudget) -> Pausable[ChunkWrite]:
+    def _compute(self, chunk: SaltedChunk, budget: StepBudget) -> Pausable[ChunkWrite]:
         """Compute a chunk's KV (on the worker thread, in pieces within `budget`) and put it in
-        the store, unless a task queued before put it in a local tier meanwhile (no Redis asked
-        here)."""
-        key = self.prefiller.chunk_key(tokens)
+        the store under its salted key, unless a task queued before put it in a local tier
+        meanwhile (no Redis asked here)."""
+        tokens, salt = chunk
+        key = self.prefiller.chunk_key(tokens, salt)
         if self.store.lookup([key], remote=False)[0] is not None:
             return ChunkWrite(skipped=True)
         kv = yield from self.prefiller.chunk_kv_steps(tokens, budget)

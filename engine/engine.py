@@ -161,8 +161,8 @@ class Engine:
         """Call `listener` on the worker thread after every engine step."""
         self._step_listeners.append(listener)
 
-    def chunk_key(self, tokens: tuple[int, ...]) -> str:
-        return self.prefiller.chunk_key(tokens)
+    def chunk_key(self, tokens: tuple[int, ...], cache_salt: str = "") -> str:
+        return self.prefiller.chunk_key(tokens, cache_salt)
 
     def precompute(self, chunks: Iterable[Chunk | str]) -> PrecomputeResult:
         """Store every chunk's standalone KV, waiting for the writes (ChunkPrecompute)."""

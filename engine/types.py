@@ -138,10 +138,12 @@ GREEDY = GenerationDefaults(0.0, 1.0, 0.0, 0.0, 1.0)
 
 @dataclass(frozen=True)
 class Chunk:
-    """One retrieved passage; `id` names it in logs and routing, the KV key is its tokens."""
+    """One retrieved passage; `id` names it in logs and routing, the KV key is its tokens and
+    `cache_salt` (its tenant's scope: KV stored under one salt is never found under another)."""
 
     id: str
     text: str
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,9 @@ class GenerateRequest:
     # The JSON schema the output must validate against, serialized (None: free text): each
     # token is sampled among those its grammar allows (engine/grammar/).
     json_schema: str | None = None
+    # The scope of the prompt prefix's cached KV (system prompt, template start), as vLLM's
+    # cache_salt: a prefix cached under one salt is not reused under another.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse_enum(Mode, self.mode, "mode"))

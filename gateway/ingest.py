@@ -13,6 +13,7 @@ from gateway.clients.engine import EnginePool, EngineState
 from gateway.clients.retriever import RetrieverClient
 from gateway.errors import GatewayDependencyError
 from gateway.metrics import GatewayMetrics
+from gateway.tenancy import UNSCOPED, CacheScope
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,18 @@ class IngestTracker:
     chunks over the pool and sends a re-ingested chunk to the engine that already holds it),
     and the next one of its ranking when that engine's call fails."""
 
-    def __init__(self, retriever: RetrieverClient, engines: EnginePool, metrics: GatewayMetrics):
+    def __init__(
+        self,
+        retriever: RetrieverClient,
+        engines: EnginePool,
+        metrics: GatewayMetrics,
+        scope: CacheScope | None = None,
+    ):
         self.retriever = retriever
         self.engines = engines
         self.metrics = metrics
+        # A chunk's KV is stored under its collection's salt, which retrieval gives it again.
+        self.scope = scope or UNSCOPED
         self._statuses: dict[DocKey, IngestStatus] = {}
         self._tasks: dict[DocKey, asyncio.Task] = {}
 
@@ -89,7 +98,11 @@ class IngestTracker:
             document = await self.retriever.get_document(
                 status.collection, status.doc_id, request_id=request_id
             )
-            chunks = [ChunkIn(id=c["chunk_id"], text=c["text"]) for c in document["chunks"]]
+            salt = self.scope.collection_salt(status.collection)
+            chunks = [
+                ChunkIn(id=c["chunk_id"], text=c["text"], cache_salt=salt)
+                for c in document["chunks"]
+            ]
             if self.engines.shared_kv:
                 await self._precompute_once(status, chunks, request_id)
                 return

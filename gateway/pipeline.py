@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from common.contract import Delta
 from gateway.clients.engine import EnginePool, EngineStream
 from gateway.clients.retriever import RetrieverClient
 from gateway.errors import GatewayDependencyError
 from gateway.metrics import GatewayMetrics
+from gateway.tenancy import collection_salt
 from gateway.types import EngineRequest, EngineResult, RagRequest, Source
 
 
@@ -77,17 +79,29 @@ class Pipeline:
     async def start(
         self, rag: RagRequest, *, request_id: str, arrived_at: float
     ) -> AsyncIterator[TimedStream]:
-        """Retrieve the request's chunks (best first, then the second hop's; none without
-        `retrieve`), then open an engine stream over them; leaving the context early cancels
-        the engine's work."""
+        """Chunk the request's passages and retrieve its chunks (best first, then the second
+        hop's), then open an engine stream over them; leaving the context early cancels the
+        engine's work."""
         started = time.perf_counter()
-        sources: list[Source] = []
-        if rag.retrieve:
-            sources = await self.retriever.search(rag.search(), request_id=request_id)
-            self.metrics.retrieval_seconds.observe(time.perf_counter() - started)
+        sources = await self._sources(rag, request_id)
         retrieval_s = time.perf_counter() - started
         generation = EngineRequest(rag, tuple(sources))
         sent_at = time.perf_counter()
         async with self.engines.generate(generation, request_id=request_id) as stream:
             self.metrics.engine_requests.labels(stream.engine.name).inc()
             yield TimedStream(stream, generation, self.metrics, arrived_at, sent_at, retrieval_s)
+
+    async def _sources(self, rag: RagRequest, request_id: str) -> list[Source]:
+        """The request's own passages chunked, then what the search finds (unless retrieval
+        is "none"), each with the cache salt of its scope."""
+        sources: list[Source] = []
+        if rag.passages:
+            sources += await self.retriever.chunk_passages(
+                rag.passages, rag.cache_salt, request_id=request_id
+            )
+        if rag.retrieve:
+            found = await self.retriever.search(rag.search(), request_id=request_id)
+            if rag.collection_salts:
+                found = [replace(s, cache_salt=collection_salt(s.collection)) for s in found]
+            sources += found
+        return sources

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from common.contract import MAX_TOKENS_LIMIT, ChunkOrderName
 from gateway.auth import load_keys
+from gateway.tenancy import CacheSharing
 
 
 class GatewaySettings(BaseSettings):
@@ -75,6 +76,23 @@ class GatewaySettings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         [], description="browser origins allowed to call the API (none: CORS off)"
     )
+    cache_sharing: CacheSharing = Field(
+        "per_key",
+        description="with API keys, whose cached KV a request may reuse: per_key (each key's "
+        "passages apart, each collection's chunks for the keys allowed it), per_collections "
+        "(keys allowed the same collections share passages) or shared (everyone shares)",
+    )
+    passage_separator: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="LMCache's convention, opt-in: a plain prompt (or chat's last user message) "
+        "holding this string is split on it into system prompt, passages and question",
+    )
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.api_keys) or self.api_keys_file is not None
 
     @property
     def no_rag_model(self) -> str:

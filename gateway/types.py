@@ -27,7 +27,16 @@ class Source:
     doc_id: str
     score: float
     text: str
-    collection: str
+    collection: str  # "" for a passage the request brought
+    cache_salt: str = ""  # the scope of its KV (gateway/tenancy.py)
+
+
+@dataclass(frozen=True)
+class RequestPassage:
+    """A passage the request brought (doc_id: the id it gave, else passage-<index>)."""
+
+    doc_id: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -61,8 +70,6 @@ class RagRequest:
     repetition_penalty: float | None = None
     stop: tuple[str, ...] = ()
     chunk_order: ChunkOrder = ChunkOrder.BEST_FIRST  # the prompt's; sources stay best first
-    # False: no search, no chunks (the no-rag model id of the OpenAI routes).
-    retrieve: bool = True
     # The prompt as sent, no template or system text: `question`, or these token ids.
     raw_prompt: bool = False
     prompt_token_ids: tuple[int, ...] | None = None
@@ -79,6 +86,15 @@ class RagRequest:
         users = [turn.text for turn in self.history if turn.role == "user"]
         query = f"{self.question}\n{users[-1]}" if users else self.question
         return query[:MAX_QUESTION_CHARS]
+
+    # The request's own passages, blended before what the search finds; retrieve: False with
+    # retrieval "none" and for the no-rag model id of the OpenAI routes (no search).
+    passages: tuple[RequestPassage, ...] = ()
+    retrieve: bool = True
+    # The salt of its passages and prompt prefix, and whether a retrieved chunk takes its
+    # collection's (gateway/tenancy.py).
+    cache_salt: str = ""
+    collection_salts: bool = False
 
     def search(self) -> SearchRequest:
         return SearchRequest(
@@ -130,7 +146,10 @@ class EngineRequest:
         rag = self.rag
         return GenerateBody(
             system=rag.system,
-            chunks=[ChunkIn(id=s.chunk_id, text=s.text) for s in self.unique_sources()],
+            chunks=[
+                ChunkIn(id=s.chunk_id, text=s.text, cache_salt=s.cache_salt)
+                for s in self.unique_sources()
+            ],
             question=rag.question,
             history=list(rag.history),
             mode=rag.mode,
@@ -153,6 +172,7 @@ class EngineRequest:
             logprobs=rag.logprobs,
             prompt_logprobs=rag.prompt_logprobs,
             response_format=rag.response_format,
+            cache_salt=rag.cache_salt,
         )
 
 

@@ -29,9 +29,16 @@ def validate_key(key: str) -> str:
     return key
 
 
-def chunk_key(model_fingerprint: str, token_ids: Sequence[int]) -> str:
-    """The store key of one chunk: a hash of the model fingerprint and the chunk's token ids."""
-    digest = hashlib.sha256(model_fingerprint.encode())
+def chunk_key(model_fingerprint: str, token_ids: Sequence[int], cache_salt: str = "") -> str:
+    """The store key of one chunk: a hash of the model fingerprint, the chunk's token ids and
+    its cache salt (its tenant's scope: the same tokens under two salts are two entries in
+    every tier, so one tenant's KV never answers another's lookup). The empty salt keeps the
+    key of an unsalted chunk."""
+    namespace = model_fingerprint
+    if cache_salt:
+        # "/" cannot occur in a fingerprint (hex): no salted namespace equals an unsalted one.
+        namespace += "/salt/" + hashlib.sha256(cache_salt.encode()).hexdigest()
+    digest = hashlib.sha256(namespace.encode())
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return digest.hexdigest()
 

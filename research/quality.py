@@ -299,7 +299,7 @@ def encoding_quality(
     for i, example in enumerate(examples):
         chunks = as_chunks(example.passages)
         engine.precompute(chunks)
-        keys = [engine.chunk_key(t) for t in engine.chunks.tokens(chunks)]
+        keys = [engine.chunk_key(*c) for c in engine.chunks.tokens(chunks)]
         originals = {key: memory.get(key) for key in keys}
         assert all(kv is not None for kv in originals.values()), "memory budget too small"
         full = GenerateRequest(question=example.question, chunks=chunks, mode=Mode.FULL_PREFILL)

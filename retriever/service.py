@@ -17,7 +17,7 @@ from common.contract import MAX_HOPS
 from common.validation import DEFAULT_COLLECTION
 from retriever.bm25 import match_expression
 from retriever.catalog import Catalog, ChunkRecord, DocumentRecord
-from retriever.chunking import OffsetTokenizer, chunk_text, content_hash
+from retriever.chunking import Chunk, OffsetTokenizer, chunk_text, content_hash
 from retriever.embeddings import Embedder
 from retriever.fusion import RETRIEVAL_MODES, RetrievalMode, reciprocal_rank_fusion
 from retriever.hops import MAX_HOP_ENTITIES, entities, second_hop_query
@@ -284,6 +284,17 @@ class RetrieverService:
             self.catalog.update_metadata(*key, metadata)
         chunk_ids = [c.chunk_id for c in self.catalog.document_chunks(*key)]
         return IngestResult(*key, chunk_ids, "unchanged", existing.num_tokens)
+
+    def chunk(self, text: str) -> list[Chunk]:
+        """`text` split as `ingest` splits a document (chunk_tokens, chunk_overlap_tokens),
+        stored nowhere: a request's own passages are chunked like ingested documents."""
+        with self._chunk_lock:
+            return chunk_text(
+                text,
+                self._tokenizer,
+                self.settings.chunk_tokens,
+                self.settings.chunk_overlap_tokens,
+            )
 
     def delete(self, collection: str, doc_id: str) -> int:
         """Remove a document, its chunks and vectors; returns the number of chunks removed.

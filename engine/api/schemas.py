@@ -24,7 +24,7 @@ from engine.types import Chunk, GenerateRequest, GenerateResult, Turn
 def to_request(body: GenerateBody) -> GenerateRequest:
     return GenerateRequest(
         question=body.question,
-        chunks=tuple(Chunk(c.id, c.text) for c in body.chunks),
+        chunks=tuple(Chunk(c.id, c.text, c.cache_salt) for c in body.chunks),
         system=body.system,
         history=tuple(Turn(t.role, t.text) for t in body.history),
         mode=body.mode,
@@ -47,6 +47,7 @@ def to_request(body: GenerateBody) -> GenerateRequest:
         logprobs=body.logprobs,
         prompt_logprobs=body.prompt_logprobs,
         json_schema=None if body.response_format is None else body.response_format.schema_text(),
+        cache_salt=body.cache_salt,
     )
 
 

@@ -7,7 +7,7 @@ neighbours or its position. A conversation's earlier turns go in the suffix, alw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from jinja2 import TemplateError
@@ -22,6 +22,8 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 INSTRUCTION = "Answer the question using the passages below."
 CHUNK_SEPARATOR = "\n\n"
 _PASSAGES_SLOT = "\u2063RAGBLEND_PASSAGES\u2063"
+# A chunk's tokens and its cache salt: what its KV key is made of.
+SaltedChunk = tuple[tuple[int, ...], str]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,19 @@ class PromptLayout:
     suffix: tuple[int, ...]
     dropped_chunks: int = 0  # left out from the end by fitted()
     dropped_turns: int = 0  # the oldest turns of the history, left out by fit_prompt()
+    # Each chunk's cache salt (its KV key's scope, kvstore.types.chunk_key); empty: none salted.
+    chunk_salts: tuple[str, ...] = ()
+    # The request's cache salt: the scope of its prefix's cached KV (engine/prefix_cache.py).
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        assert not self.chunk_salts or len(self.chunk_salts) == len(self.chunks)
+
+    @property
+    def salted_chunks(self) -> list[SaltedChunk]:
+        """(tokens, cache salt) of each chunk: what its KV key is made of."""
+        salts = self.chunk_salts or ("",) * len(self.chunks)
+        return list(zip(self.chunks, salts, strict=True))
 
     @cached_property
     def token_ids(self) -> tuple[int, ...]:
@@ -56,13 +71,12 @@ class PromptLayout:
         while chunks and total > max_tokens:
             total -= len(chunks.pop())
         dropped = self.dropped_chunks + len(self.chunks) - len(chunks)
-        return PromptLayout(self.prefix, tuple(chunks), self.suffix, dropped, self.dropped_turns)
+        salts = self.chunk_salts[: len(chunks)]
+        return replace(self, chunks=tuple(chunks), dropped_chunks=dropped, chunk_salts=salts)
 
     def reversed(self) -> PromptLayout:
         """The same chunks in reverse order (each chunk's tokens, hence its KV key, unchanged)."""
-        return PromptLayout(
-            self.prefix, self.chunks[::-1], self.suffix, self.dropped_chunks, self.dropped_turns
-        )
+        return replace(self, chunks=self.chunks[::-1], chunk_salts=self.chunk_salts[::-1])
 
 
 class PromptBuilder:
@@ -173,6 +187,11 @@ def request_layout(
         layout = fit_prompt(prompts, request, chunks, max_model_len - request.max_tokens)
     else:
         layout = prompts.frame(request.question, chunks, request.system, request.history)
+    salts = tuple(c.cache_salt for c in request.chunks)
+    if any(salts) or request.cache_salt:
+        # fit_context keeps the first chunks: their salts are the first ones.
+        kept = salts[: len(layout.chunks)] if any(salts) else ()
+        layout = replace(layout, chunk_salts=kept, cache_salt=request.cache_salt)
     if request.chunk_order is ChunkOrder.BEST_LAST:
         layout = layout.reversed()
     return fitting(layout, request.max_tokens, max_model_len)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from engine.blend.budget import StepBudget
 from engine.blend.controller import Controller
 from engine.blend.dense import Pausable, run_to_end
-from engine.blend.layout import PromptLayout
+from engine.blend.layout import PromptLayout, SaltedChunk
 from engine.blend.loop import PrefillOutput, layer_loop
 from engine.blend.plan import ChunkSource, PrefillPlan, plan_prefill
 from engine.blend.prefix_cache import PrefixCache
@@ -65,7 +65,7 @@ class Prefill:
     plan: PrefillPlan
     output: PrefillOutput
     blend: Blend
-    missing_chunks: list[tuple[int, ...]]
+    missing_chunks: list[SaltedChunk]  # with no KV in any tier
     timeline: list[LayerTimes]
     load_bytes_by_tier: dict[str, int]
     chunk_tiers: list[str | None]
@@ -150,8 +150,11 @@ class Prefiller:
     def controller(self) -> Controller:
         return self.ratios.controller
 
-    def chunk_key(self, tokens: tuple[int, ...]) -> str:
-        return chunk_key(self.fingerprint, tokens)
+    def chunk_key(self, tokens: tuple[int, ...], cache_salt: str = "") -> str:
+        return chunk_key(self.fingerprint, tokens, cache_salt)
+
+    def chunk_keys(self, layout: PromptLayout) -> list[str]:
+        return [self.chunk_key(tokens, salt) for tokens, salt in layout.salted_chunks]
 
     def compute_chunk_kv(self, tokens: tuple[int, ...]) -> ChunkKV:
         """The chunk run alone behind the chunk prefix (BOS); that entry dropped, keys pre-RoPE."""
@@ -200,9 +203,9 @@ class Prefiller:
             budget = StepBudget()
         mode, recompute_ratio = ask.mode, ask.recompute_ratio
         start = time.perf_counter()
-        keys = [self.chunk_key(tokens) for tokens in layout.chunks]
+        keys = self.chunk_keys(layout)
         reuse = mode is not Mode.FULL_PREFILL
-        prefix_kv = self.prefix_cache.get(layout.prefix) if reuse else None
+        prefix_kv = self.prefix_cache.get(layout.prefix, layout.cache_salt) if reuse else None
         excluded: set[str] = set()
         while True:
             if opened is None:
@@ -221,7 +224,8 @@ class Prefiller:
                     stream.close()
         if reuse and prefix_kv is None and attempt.plan.prefix_len:
             prefix_keys, prefix_values = attempt.output.kv.read(0, attempt.plan.prefix_len)
-            self.prefix_cache.put(layout.prefix, ChunkKV(prefix_keys, prefix_values, rotated=True))
+            computed = ChunkKV(prefix_keys, prefix_values, rotated=True)
+            self.prefix_cache.put(layout.prefix, computed, layout.cache_salt)
         self.ratios.observe(layout, attempt.output, attempt.probe, attempt.used)
         return self._report(layout, mode, attempt, start)
 
@@ -300,7 +304,7 @@ class Prefiller:
         blends = mode in (Mode.CACHEBLEND, Mode.FULL_REUSE)
         missing = [
             c
-            for c, found in zip(layout.chunks, attempt.present, strict=True)
+            for c, found in zip(layout.salted_chunks, attempt.present, strict=True)
             if blends and not found
         ]
         ratio = plan.recompute_ratio
@@ -333,7 +337,7 @@ class Prefiller:
         on the calling thread (a request still queued: `parked`, nothing loads until its
         prefill starts it), or its first layers read by the store's one loader while the
         prompts ahead of it in the step compute."""
-        keys = [self.chunk_key(tokens) for tokens in layout.chunks]
+        keys = self.chunk_keys(layout)
         first = self.ratios.first_layer(ask.mode, ask.recompute_ratio, ask.max_recompute_ratio)
         return self._open(ask.mode, keys, set(), first, parked)
 

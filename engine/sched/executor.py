@@ -13,6 +13,7 @@ import torch
 
 from engine.blend.budget import StepBudget
 from engine.blend.dense import Pausable, advance_together, side_by_side
+from engine.blend.layout import SaltedChunk
 from engine.blend.prefill import Prefill, PrefillAsk, Prefiller
 from engine.blend.prompt_kv import PagedKV
 from engine.quality.shadow import Shadow
@@ -33,7 +34,7 @@ class Executor:
         prefiller: Prefiller,
         runner: ModelRunner,
         shadow: Shadow,
-        write_back: Callable[[list[tuple[int, ...]]], None],
+        write_back: Callable[[list[SaltedChunk]], None],
         post: Postprocessor,
         estimate: QueueEstimate,
         batch_tokens: int = 0,

@@ -71,6 +71,7 @@ def new_job(
         max_tokens=request.max_tokens,
         # Full prefill is the no-reuse baseline: it computes its prefix too.
         shared_prefix=() if request.mode is Mode.FULL_PREFILL else layout.prefix,
+        prefix_salt=layout.cache_salt,
         request=request,
         layout=layout,
         sampler=Sampler(temperature, top_p, request.seed),

@@ -24,7 +24,7 @@ from typing import Generic, TypeVar
 from engine.errors import PromptTooLongError, QueueFullError
 from engine.sched.blocks import BlockManager
 from engine.sched.sequence import Sequence, SequenceStatus
-from engine.sched.shared_prefix import SharedPrefixes
+from engine.sched.shared_prefix import PrefixEntry, SharedPrefixes
 
 S = TypeVar("S", bound=Sequence)
 
@@ -170,13 +170,15 @@ class Scheduler(Generic[S]):
         of idle shared prefixes included): `_admit`'s choices, on counts."""
         blocks, lanes, count = self.blocks.num_free_blocks, len(self._free_lanes), 0
         idle = self.prefixes.idle()
-        given_back: set[tuple[int, ...]] = set()
+        given_back: set[PrefixEntry] = set()
         for seq in self.waiting:
             if count == lanes:
                 break
-            prefix = seq.shared_prefix
-            shared = 0 if prefix in given_back else self.prefixes.shared_blocks(prefix)
-            idle.pop(prefix, None)  # shared from now on (or not registered)
+            entry = (seq.prefix_salt, seq.shared_prefix)
+            shared = 0
+            if entry not in given_back:
+                shared = self.prefixes.shared_blocks(seq.shared_prefix, seq.prefix_salt)
+            idle.pop(entry, None)  # shared from now on (or not registered)
             need = self.blocks.blocks_for(seq.max_positions) - shared
             while need > blocks and idle:
                 gone, freed = idle.popitem(last=False)
@@ -244,14 +246,17 @@ class Scheduler(Generic[S]):
                 break
             if left <= 0 and (batch or self.prefilling):
                 break
-            prefix = seq.shared_prefix
-            need = self.blocks.blocks_for(seq.max_positions) - self.prefixes.shared_blocks(prefix)
+            prefix, salt = seq.shared_prefix, seq.prefix_salt
+            shared = self.prefixes.shared_blocks(prefix, salt)
+            need = self.blocks.blocks_for(seq.max_positions) - shared
             if need > self.blocks.num_free_blocks:
-                self.prefixes.reclaim(need, keep=prefix)
+                self.prefixes.reclaim(need, keep=prefix, salt=salt)
             if need > self.blocks.num_free_blocks:
                 break  # first come, first served: no later, smaller sequence overtakes it
             self.waiting.popleft()
-            seq.num_shared_tokens = self.prefixes.allocate(seq.seq_id, prefix, seq.max_positions)
+            seq.num_shared_tokens = self.prefixes.allocate(
+                seq.seq_id, prefix, seq.max_positions, salt
+            )
             seq.block_table = self.blocks.block_table(seq.seq_id)
             seq.lane = heapq.heappop(self._free_lanes)
             seq.status = SequenceStatus.RUNNING
@@ -284,7 +289,7 @@ class Scheduler(Generic[S]):
         """Once its prompt is cached, its prefix's KV is in its blocks: later sequences may
         share them."""
         if seq.shared_prefix and _prompt_cached(seq):
-            self.prefixes.register(seq.seq_id, seq.shared_prefix)
+            self.prefixes.register(seq.seq_id, seq.shared_prefix, seq.prefix_salt)
 
     def finish_done(self, seqs: list[S]) -> list[S]:
         """After a step: finish those of `seqs` that have a finish reason (returned), and move

@@ -27,6 +27,7 @@ class Sequence:
     # The exact prompt prefix whose full blocks it may share in the pool (engine/shared_prefix.py;
     # empty: it shares none), and its leading positions whose blocks are shared while running.
     shared_prefix: tuple[int, ...] = ()
+    prefix_salt: str = ""  # its request's cache salt: it shares only prefixes of the same salt
     num_shared_tokens: int = 0
     num_cached: int = 0  # positions whose KV is in its blocks
     # Prompt tokens its prefill has computed so far, counted in token-layers over the layers.

@@ -7,6 +7,9 @@ from collections import OrderedDict
 
 from engine.sched.blocks import BlockManager
 
+# A shared prefix: its cache salt and its tokens.
+PrefixEntry = tuple[str, tuple[int, ...]]
+
 
 class SharedPrefixes:
     """At most `capacity` prefixes (0: none shared), least recently used given back first (an
@@ -17,15 +20,17 @@ class SharedPrefixes:
     def __init__(self, blocks: BlockManager, capacity: int):
         self.blocks = blocks
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix -> its blocks
+        # (cache salt, prefix) -> its blocks: a prefix is shared only by sequences of the salt
+        # it was cached under (a tenant's), so no tenant's first token tells it another's prompt.
+        self._entries: OrderedDict[PrefixEntry, int] = OrderedDict()
         # Blocks the entries hold (some also held by running sequences).
         self.num_blocks = 0
 
-    def shared_blocks(self, prefix: tuple[int, ...]) -> int:
+    def shared_blocks(self, prefix: tuple[int, ...], salt: str = "") -> int:
         """Blocks a sequence starting with `prefix` would share now (0: not registered)."""
-        return self._entries.get(prefix, 0)
+        return self._entries.get((salt, prefix), 0)
 
-    def idle(self) -> OrderedDict[tuple[int, ...], int]:
+    def idle(self) -> OrderedDict[PrefixEntry, int]:
         """The entries no sequence shares, least recently used first, with their blocks: what
         `reclaim` may give back."""
         return OrderedDict((p, n) for p, n in self._entries.items() if self._idle(p))
@@ -34,49 +39,53 @@ class SharedPrefixes:
         """Blocks only the idle entries hold: free as soon as `reclaim` gives them back."""
         return sum(self.idle().values())
 
-    def register(self, seq_id: int, prefix: tuple[int, ...]) -> None:
+    def register(self, seq_id: int, prefix: tuple[int, ...], salt: str = "") -> None:
         """Share the full blocks of `prefix` that sequence `seq_id` holds (its KV is cached), if
         that prefix is not registered yet and fills at least one block; no KV is copied."""
         num_blocks = len(prefix) // self.blocks.block_size
-        if self.capacity <= 0 or num_blocks == 0 or prefix in self._entries:
+        entry = (salt, prefix)
+        if self.capacity <= 0 or num_blocks == 0 or entry in self._entries:
             return
-        self.blocks.fork(seq_id, _key(prefix), num_blocks * self.blocks.block_size)
-        self._entries[prefix] = num_blocks
+        self.blocks.fork(seq_id, _key(entry), num_blocks * self.blocks.block_size)
+        self._entries[entry] = num_blocks
         self.num_blocks += num_blocks
         while len(self._entries) > self.capacity:
             # An idle entry first: dropping one that running sequences share frees nothing now
             # and makes their prefix's next arrivals prefill it again.
             self._drop(next(iter(self.idle()), next(iter(self._entries))))
 
-    def allocate(self, seq_id: int, prefix: tuple[int, ...], num_tokens: int) -> int:
+    def allocate(
+        self, seq_id: int, prefix: tuple[int, ...], num_tokens: int, salt: str = ""
+    ) -> int:
         """Blocks for a new sequence of `num_tokens` positions, its first ones shared with the
-        registered `prefix` (if any); the positions shared."""
-        if prefix not in self._entries:
+        registered `prefix` of its `salt` (if any); the positions shared."""
+        entry = (salt, prefix)
+        if entry not in self._entries:
             self.blocks.allocate(seq_id, num_tokens)
             return 0
-        self._entries.move_to_end(prefix)
-        shared = self.blocks.num_tokens(_key(prefix))
-        self.blocks.fork(_key(prefix), seq_id)
+        self._entries.move_to_end(entry)
+        shared = self.blocks.num_tokens(_key(entry))
+        self.blocks.fork(_key(entry), seq_id)
         self.blocks.append_slots(seq_id, num_tokens - shared)  # full blocks: nothing to copy
         return shared
 
-    def reclaim(self, num_free: int, keep: tuple[int, ...] = ()) -> None:
-        """Give back idle entries (not `keep`), least recently used first, until `num_free`
-        blocks are free or none is left."""
-        for prefix in self.idle():
+    def reclaim(self, num_free: int, keep: tuple[int, ...] = (), salt: str = "") -> None:
+        """Give back idle entries (not `keep` of `salt`), least recently used first, until
+        `num_free` blocks are free or none is left."""
+        for entry in self.idle():
             if self.blocks.num_free_blocks >= num_free:
                 return
-            if prefix != keep:
-                self._drop(prefix)
+            if entry != (salt, keep):
+                self._drop(entry)
 
-    def _idle(self, prefix: tuple[int, ...]) -> bool:
-        return all(self.blocks.refcount(b) == 1 for b in self.blocks.block_table(_key(prefix)))
+    def _idle(self, entry: PrefixEntry) -> bool:
+        return all(self.blocks.refcount(b) == 1 for b in self.blocks.block_table(_key(entry)))
 
-    def _drop(self, prefix: tuple[int, ...]) -> None:
-        self.blocks.free(_key(prefix))
-        self.num_blocks -= self._entries.pop(prefix)
+    def _drop(self, entry: PrefixEntry) -> None:
+        self.blocks.free(_key(entry))
+        self.num_blocks -= self._entries.pop(entry)
 
 
-def _key(prefix: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+def _key(entry: PrefixEntry) -> tuple[str, PrefixEntry]:
     """The entry's id in the BlockManager, apart from every sequence's int id."""
-    return ("prefix", prefix)
+    return ("prefix", entry)

@@ -25,6 +25,7 @@ from gateway.ingest import IngestTracker
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.tenancy import CacheScope
 
 log = logging.getLogger(__name__)
 UPLOAD_PATH = "/v1/documents"
@@ -73,7 +74,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
         await engines.start()
         app.state.pipeline = Pipeline(retriever, engines, metrics)
-        app.state.ingest = IngestTracker(retriever, engines, metrics)
+        scope = CacheScope(settings.cache_sharing, settings.keyed)
+        app.state.ingest = IngestTracker(retriever, engines, metrics, scope)
         log.info(
             "gateway up: retriever %s, engines %s",
             settings.retriever_url,

@@ -8,9 +8,9 @@ from urllib.parse import quote
 
 import httpx
 
-from common.contract import SearchRequest, SearchResponse
+from common.contract import ChunkTextsRequest, ChunkTextsResponse, SearchRequest, SearchResponse
 from gateway.clients.upstream import Upstream
-from gateway.types import Source
+from gateway.types import RequestPassage, Source
 
 
 class RetrieverClient:
@@ -58,6 +58,22 @@ class RetrieverClient:
         return [
             Source(r.chunk_id, r.doc_id, r.score, r.text, r.collection)
             for r in SearchResponse.model_validate(answer).results
+        ]
+
+    async def chunk_passages(
+        self, passages: tuple[RequestPassage, ...], cache_salt: str, *, request_id: str
+    ) -> list[Source]:
+        """The passages split as the retriever splits a document, in order, each chunk salted
+        with `cache_salt` (score 1: chosen by the application, not ranked)."""
+        body = ChunkTextsRequest(texts=[p.text for p in passages])
+        answer = await self._read(
+            "POST", f"{self.base_url}/v1/chunk", request_id, json=body.model_dump(mode="json")
+        )
+        chunked = ChunkTextsResponse.model_validate(answer).chunks
+        return [
+            Source(c.chunk_id, passage.doc_id, 1.0, c.text, "", cache_salt)
+            for passage, chunks in zip(passages, chunked, strict=True)
+            for c in chunks
         ]
 
     async def ingest(

@@ -16,7 +16,7 @@ from common.errors import install_error_handlers
 from common.limits import BodySizeLimitMiddleware
 from common.request_id import RequestIdMiddleware
 from common.requests import RequestGuardMiddleware
-from retriever.api.routes import documents, health, search
+from retriever.api.routes import chunk, documents, health, search
 from retriever.metrics import RetrieverMetrics
 from retriever.service import RetrieverService
 from retriever.settings import RetrieverSettings
@@ -75,5 +75,6 @@ def create_app(settings: RetrieverSettings | None = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     app.include_router(documents.router)
     app.include_router(search.router)
+    app.include_router(chunk.router)
     app.include_router(health.router)
     return app

@@ -30,7 +30,7 @@ async def precompute(
         ((f"chunks.{i}.text", c.text) for i, c in enumerate(body.chunks)), settings.max_text_chars
     )
     try:
-        result = await engine.aprecompute([Chunk(c.id, c.text) for c in body.chunks])
+        result = await engine.aprecompute([Chunk(c.id, c.text, c.cache_salt) for c in body.chunks])
     except InvalidRequestError as exc:
         raise HTTPException(422, detail=str(exc)) from exc
     except BackgroundQueueFullError as exc:

@@ -89,8 +89,9 @@ async def chat_completions(
         settings,
         key,
         chat,
-        retrieve=body.model != settings.no_rag_model,
         logprobs=body.logprob_count,
+        # The no-rag id searches nothing; the RAG id as its `rag.retrieval` says.
+        **({"retrieve": False} if body.model == settings.no_rag_model else {}),
     )
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
 

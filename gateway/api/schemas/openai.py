@@ -10,17 +10,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from common.contract import (
     MAX_QUESTION_CHARS,
     AdditivePenalty,
+    CacheSalt,
     ChunkOrder,
     Collections,
     DocIds,
     Hops,
     LogprobCount,
     Mode,
+    Passages,
     Ratio,
     RecomputeRatio,
     RepetitionPenalty,
+    RequestRetrievalName,
     ResponseFormat,
-    RetrievalName,
     Selection,
     StopString,
     TokenId,
@@ -31,7 +33,9 @@ from common.contract import (
 from common.validation import Seed, Text
 from gateway.api.schemas.logprobs import ChatLogprobs, CompletionLogprobs
 from gateway.api.schemas.query import (
+    CACHE_SALT_DESCRIPTION,
     CHUNK_ORDER_DESCRIPTION,
+    DOCUMENTS_DESCRIPTION,
     HOPS_DESCRIPTION,
     MAX_RECOMPUTE_RATIO_DESCRIPTION,
     PENALTY_DESCRIPTION,
@@ -67,9 +71,10 @@ class RagOptions(BaseModel):
     collections: Collections | None = Field(
         None, description="search only these (default: all the API key may use)"
     )
-    retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
+    retrieval: RequestRetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: Hops | None = Field(None, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
+    documents: Passages | None = Field(None, description=DOCUMENTS_DESCRIPTION)
 
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)
 
@@ -137,6 +142,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_DESCRIPTION)
+    # vLLM's extension, top-level as vLLM has it.
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_DESCRIPTION)
     rag: RagOptions = Field(default_factory=RagOptions)
 
     def unsupported(self) -> list[str]:

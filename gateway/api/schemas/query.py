@@ -11,16 +11,18 @@ from common.contract import (
     MAX_QUESTION_CHARS,
     AdditivePenalty,
     Blend,
+    CacheSalt,
     ChunkOrder,
     Collections,
     DocIds,
     Hops,
     Mode,
+    Passages,
     Ratio,
     RecomputeRatio,
     RepetitionPenalty,
+    RequestRetrievalName,
     ResponseFormat,
-    RetrievalName,
     Selection,
     Stops,
     Temperature,
@@ -34,7 +36,18 @@ from common.contract import (
 from common.validation import Seed, Text
 from gateway.types import EngineResult, Source
 
-RETRIEVAL_DESCRIPTION = "dense, bm25 or hybrid; default: the retriever's `retrieval` setting"
+RETRIEVAL_DESCRIPTION = (
+    "dense, bm25 or hybrid; none: no search (the request's documents only); default: the "
+    "retriever's `retrieval` setting"
+)
+DOCUMENTS_DESCRIPTION = (
+    "the application's own passages, chunked like an ingested document and blended like "
+    "retrieved chunks (before them, in the order given); their KV is cached per tenant"
+)
+CACHE_SALT_DESCRIPTION = (
+    "as vLLM's: the request's passages and prompt prefix reuse only KV cached under the same "
+    "salt (and the same API key's scope); retrieved chunks keep their collection's"
+)
 HOPS_DESCRIPTION = (
     "2: add up to top_k chunks found by the names the first ones mention; "
     "default: the gateway's default_hops setting"
@@ -109,10 +122,12 @@ class QueryRequest(BaseModel):
     collections: Collections | None = Field(
         None, description="search only these (default: all the API key may use)"
     )
-    retrieval: RetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
+    retrieval: RequestRetrievalName | None = Field(None, description=RETRIEVAL_DESCRIPTION)
     hops: Hops | None = Field(None, description=HOPS_DESCRIPTION)
     chunk_order: ChunkOrder | None = Field(None, description=CHUNK_ORDER_DESCRIPTION)
     response_format: ResponseFormat | None = Field(None, description=RESPONSE_FORMAT_DESCRIPTION)
+    documents: Passages | None = Field(None, description=DOCUMENTS_DESCRIPTION)
+    cache_salt: CacheSalt | None = Field(None, description=CACHE_SALT_DESCRIPTION)
 
     _question_not_blank = field_validator("question")(not_blank)
     _max_ratio_needs_auto = model_validator(mode="after")(max_ratio_needs_auto)

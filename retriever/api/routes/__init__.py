@@ -1,1 +1,1 @@
-"""One APIRouter per resource: documents, search, and health/metrics."""
+"""One APIRouter per resource: documents, search, chunk, and health/metrics."""

@@ -75,7 +75,7 @@ def test_a_chunk_entry_bad_mid_stream_is_recomputed_on_a_fresh_stream(
 
     sources = (ChunkSource.BLEND, ChunkSource.COMPUTE, ChunkSource.BLEND)
     assert recovered.plan.chunk_sources == sources
-    assert recovered.missing_chunks == [layout.chunks[1]]
+    assert recovered.missing_chunks == [(layout.chunks[1], "")]
     assert engine.store.lookup([engine.chunk_key(c) for c in layout.chunks])[1] is None
     engine.prefiller.kv_read_delay_s = 0.0
     # The same as a prefill that never had the entry: nothing of the bad read is left.

@@ -102,3 +102,12 @@ def test_capacity_zero_or_no_store_caches_nothing(store: KVStore):
     for cache in (PrefixCache(capacity=0, store=store), PrefixCache(capacity=2)):
         cache.put((1,), kv(0))
         assert cache.get((1,)) is None
+
+
+def test_a_prefix_cached_under_one_salt_is_not_found_under_another(store: KVStore):
+    cache = PrefixCache(capacity=4, store=store, fingerprint=FINGERPRINT)
+    entry = kv(0)
+    cache.put((1, 2), entry, "tenant-a")
+    assert _equal(cache.get((1, 2), "tenant-a"), entry)
+    assert cache.get((1, 2), "tenant-b") is None
+    assert cache.get((1, 2)) is None

@@ -236,3 +236,28 @@ def test_a_prefix_given_back_for_one_sequence_is_not_counted_as_shared_for_the_n
     assert s.num_admissible() == 1  # big takes PREFIX's blocks: behind would need 4, not 2
     s.schedule()
     assert s.running == [big] and s.prefixes.shared_blocks(PREFIX) == 0
+
+
+def test_a_prefix_is_shared_only_under_the_cache_salt_it_was_registered_with():
+    blocks = BlockManager(16, BLOCK)
+    prefixes = SharedPrefixes(blocks, capacity=4)
+    prefixes.allocate(1, PREFIX, 14, "tenant-a")
+    prefixes.register(1, PREFIX, "tenant-a")
+    assert prefixes.shared_blocks(PREFIX, "tenant-a") == 2
+    assert prefixes.shared_blocks(PREFIX, "tenant-b") == prefixes.shared_blocks(PREFIX) == 0
+    assert prefixes.allocate(2, PREFIX, 14, "tenant-b") == 0  # its own blocks, none forked
+    assert prefixes.allocate(3, PREFIX, 14, "tenant-a") == 8
+
+
+def test_the_scheduler_shares_a_prefix_between_sequences_of_one_salt_only():
+    s: Scheduler[Sequence] = Scheduler(BlockManager(16, BLOCK), 4, 8, 1000, shared_prefixes=4)
+    first = Sequence(num_prompt_tokens=14, max_tokens=4, shared_prefix=PREFIX, prefix_salt="a")
+    s.add(first)
+    s.schedule()
+    cached(s, first)
+    other = Sequence(num_prompt_tokens=14, max_tokens=4, shared_prefix=PREFIX, prefix_salt="b")
+    same = Sequence(num_prompt_tokens=14, max_tokens=4, shared_prefix=PREFIX, prefix_salt="a")
+    s.add(other), s.add(same)
+    s.schedule()
+    assert other.num_shared_tokens == 0 and not set(other.block_table) & set(first.block_table)
+    assert same.num_shared_tokens == 8 and same.block_table[:2] == first.block_table[:2]
