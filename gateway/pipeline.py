@@ -100,7 +100,9 @@ class Pipeline:
                 rag.passages, rag.cache_salt, request_id=request_id
             )
         if rag.retrieve:
+            searched = time.perf_counter()
             found = await self.retriever.search(rag.search(), request_id=request_id)
+            self.metrics.retrieval_seconds.observe(time.perf_counter() - searched)
             if rag.collection_salts:
                 found = [replace(s, cache_salt=collection_salt(s.collection)) for s in found]
             sources += found
