@@ -18,15 +18,20 @@ import argparse
 import csv
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from paths import results_dir, shown
 
-from engine.grammar.mask import apply_bitmask, bitmask_words
-from tests.real_model import smollm2_checkpoint
+# The checkout, for tests/real_model.py's packaged SmolLM2 (as bench/quality_real.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.paths import results_dir, shown  # noqa: E402
+from engine.grammar.mask import apply_bitmask, bitmask_words  # noqa: E402
+from tests.real_model import smollm2_checkpoint  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
 

@@ -24,7 +24,7 @@ def salted(chunks: tuple[Chunk, ...], salt: str) -> tuple[Chunk, ...]:
 
 def test_a_chunk_stored_under_one_salt_is_found_under_that_salt_only(engine_for, make_chunks):
     engine = engine_for("llama")
-    chunks = make_chunks(2, seed=71)
+    chunks = make_chunks(2, seed=9071)
     engine.precompute(salted(chunks, "tenant-a"))
     compute, blend = (ChunkSource.COMPUTE,) * 2, (ChunkSource.BLEND,) * 2
     assert engine.prefill(request(salted(chunks, "tenant-b"))).plan.chunk_sources == compute
@@ -34,7 +34,7 @@ def test_a_chunk_stored_under_one_salt_is_found_under_that_salt_only(engine_for,
 
 def test_a_missing_chunk_is_written_back_under_its_own_salt(engine_for, make_chunks):
     engine = engine_for("llama")
-    (chunk,) = salted(make_chunks(1, seed=73), "tenant-b")
+    (chunk,) = salted(make_chunks(1, seed=9073), "tenant-b")
     tokens = engine.prompts.chunk_tokens(chunk.text)
     engine.generate(request((chunk,)))
     engine.drain()
@@ -45,7 +45,7 @@ def test_a_missing_chunk_is_written_back_under_its_own_salt(engine_for, make_chu
 
 def test_the_prompt_prefix_is_reused_under_the_requests_salt_only(engine_for, make_chunks):
     engine = engine_for("llama")
-    chunks = make_chunks(1, seed=75)
+    chunks = make_chunks(1, seed=9075)
     system = "You answer in one word, tenant a."
     engine.prefill(request(chunks, system=system, cache_salt="tenant-a"))  # fills the cache
     again = engine.prefill(request(chunks, system=system, cache_salt="tenant-a"))
@@ -57,7 +57,7 @@ def test_passages_in_another_order_reuse_their_kv_and_match_full_prefill_at_rati
     engine_for, make_chunks
 ):
     engine = engine_for("llama")
-    passages = salted(make_chunks(3, seed=77), "tenant-a")
+    passages = salted(make_chunks(3, seed=9077), "tenant-a")
     engine.generate(request(passages))  # first sight: computed in full, written back
     engine.drain()
     reordered = (passages[2], passages[0], passages[1])
