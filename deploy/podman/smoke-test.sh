@@ -45,7 +45,9 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 extra = ["setuptools>=69", "wheel", "async-timeout>=4.0.3"]
 open(sys.argv[1], "w").write("\n".join(deps + extra) + "\n")
 PY
+# Debian bookworm's glibc is 2.36: wheels built for it or older (llguidance's: 2.31).
 "$python" -m pip download -q -d "$work/wheels" --only-binary=:all: --python-version 3.11 \
+    --platform manylinux_2_36_x86_64 --platform manylinux_2_31_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform linux_x86_64 --platform any \
     -r "$work/requirements.txt" 2> >(grep -v '^WARNING: Location' >&2)

@@ -76,3 +76,11 @@ def test_the_sample_documents_are_the_docs_pages_themselves():
     for page in pages:
         assert page.is_symlink() and page.resolve().parent == docs, page.name
         assert page.read_text() == (docs / page.name).read_text()
+
+
+def test_the_image_build_context_keeps_every_sample_page():
+    """The image copies docs/ for the sample links; .dockerignore leaves out the rest of docs/
+    and must let each linked page in."""
+    ignore = (SAMPLES_DIR.parent.parent / ".dockerignore").read_text().splitlines()
+    for page in SAMPLES_DIR.glob("*.md"):
+        assert f"!docs/{page.name}" in ignore, page.name
