@@ -24,12 +24,15 @@ def bearer(key: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory):
-    """alice, bob and carol may all use collection a: only the key tells them apart."""
+    """alice, bob and carol may all use collection a: only the key tells them apart. Their
+    names are this module's own: a key's name is its cache scope, and other test files ask the
+    same engine with keys named alice and bob."""
     path = tmp_path_factory.mktemp("cache-keys") / "keys.json"
+    run = uuid.uuid4().hex[:8]
     entries = [
-        {"name": "alice", "key": ALICE, "collections": ["a"]},
-        {"name": "bob", "key": BOB, "collections": ["a"]},
-        {"name": "carol", "key": CAROL, "collections": ["a"]},
+        {"name": f"alice-{run}", "key": ALICE, "collections": ["a"]},
+        {"name": f"bob-{run}", "key": BOB, "collections": ["a"]},
+        {"name": f"carol-{run}", "key": CAROL, "collections": ["a"]},
     ]
     path.write_text(json.dumps(entries))
     return str(path)
