@@ -14,36 +14,15 @@ from openai import OpenAI
 
 from tests import real_model
 from tests.gateway.conftest import Spawn
+from tests.json_schemas import COLOR, PERSON, SHORT_STRINGS
 from tests.service_process import Service
 
 smollm2_dir = real_model.smollm2_dir
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-COLOR = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green", "blue"]}},
-    "required": ["color"],
-    "additionalProperties": False,
-}
-# Strings bounded so that every answer closes within max_tokens, whatever the model prefers.
-NAMES = {
-    "type": "array",
-    "items": {"type": "string", "maxLength": 16},
-    "minItems": 1,
-    "maxItems": 3,
-}
 QUESTIONS = {
     "person": ("Describe Ada Lovelace, who died at 36, as JSON.", PERSON),
     "enum": ("What colour is the sky on a clear day? Answer as JSON.", COLOR),
-    "array": ("Name three fruits as a JSON array.", NAMES),
+    "array": ("Name three fruits as a JSON array.", SHORT_STRINGS),
 }
 MAX_TOKENS = 64
 

@@ -13,31 +13,10 @@ import pytest
 from engine.engine import Engine
 from engine.types import Chunk, GenerateRequest, GenerateResult, Mode
 from tests import real_model
+from tests.json_schemas import COLOR, PERSON, SHORT_STRINGS
 
 smollm2_dir = real_model.smollm2_dir
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-COLOR = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green", "blue"]}},
-    "required": ["color"],
-    "additionalProperties": False,
-}
-# Strings bounded so that every output closes within max_tokens, whatever the model prefers.
-CITIES = {
-    "type": "array",
-    "items": {"type": "string", "maxLength": 16},
-    "minItems": 1,
-    "maxItems": 3,
-}
 CHUNKS = (
     Chunk("a", "Ada Lovelace was born in London in 1815 and died at the age of 36."),
     Chunk("b", "The sky over the harbour was green at dawn, the sailors said."),
@@ -84,10 +63,10 @@ def test_sequences_with_and_without_a_schema_decode_together_each_by_its_own(eng
         ask("Who was Ada Lovelace? Answer as JSON with her name and age.", PERSON, full),
         ask("Which colour was the sky? Answer as JSON.", COLOR, full),
         ask("Who was Ada Lovelace?", None, full),
-        ask("List the cities named in the passages as a JSON array.", CITIES, full),
+        ask("List the cities named in the passages as a JSON array.", SHORT_STRINGS, full),
     ]
     results = together(engine, requests)
-    for result, schema in zip(results, (PERSON, COLOR, None, CITIES), strict=True):
+    for result, schema in zip(results, (PERSON, COLOR, None, SHORT_STRINGS), strict=True):
         if schema is None:
             continue
         assert result.finish_reason == "stop", result.text
