@@ -190,8 +190,9 @@ class Engine:
 
     def compile_grammar(self, request: GenerateRequest) -> CompiledGrammar | None:
         """The compiled grammar of the request's json_schema (None: free text), cached per
-        schema; raises GrammarError naming what the library rejects. Up to ~100 ms for a new
-        large schema: the service calls it on a thread, as it tokenizes."""
+        schema; raises GrammarError naming what the library rejects. A new schema takes
+        milliseconds (docs/benchmarks/structured-output.md): the service calls it on a thread,
+        as it tokenizes."""
         if request.json_schema is None:
             return None
         return self.grammars.compile(request.json_schema)

@@ -40,7 +40,7 @@ class FrequencySketch:
         if entries > self.capacity:
             self._reset(2 * entries)
 
-    def _slots(self, key: str) -> list[int]:
+    def _counter_indices(self, key: str) -> list[int]:
         # A stable hash (str.__hash__ is salted per process): runs and benchmarks repeat.
         digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
         h1, h2 = int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") | 1
@@ -48,16 +48,16 @@ class FrequencySketch:
         return [row * self._width + ((h1 + row * h2) & mask) for row in range(DEPTH)]
 
     def estimate(self, key: str) -> int:
-        return min(self._table[slot] for slot in self._slots(key))
+        return min(self._table[i] for i in self._counter_indices(key))
 
     def increment(self, key: str) -> None:
-        slots = self._slots(key)
-        low = min(self._table[slot] for slot in slots)
+        counters = self._counter_indices(key)
+        low = min(self._table[i] for i in counters)
         if low < COUNTER_MAX:
             # Conservative update: only the lowest counters, so collisions inflate less.
-            for slot in slots:
-                if self._table[slot] == low:
-                    self._table[slot] = low + 1
+            for i in counters:
+                if self._table[i] == low:
+                    self._table[i] = low + 1
         # Only keys seen before age the sketch: a stream of one-off keys would otherwise halve
         # the warm keys' counts before they recur. It cannot stall aging for long: as one-offs
         # fill the table, a new key's counters collide with theirs and are no longer all 0.

@@ -105,7 +105,7 @@ class KVLayerStream:
     into one tensor pair, built in a number of calls that does not grow with the chunks
     (kvstore/staging.py). Off the CPU, its host tensors move in at most two copies on a
     dedicated stream (pinned ones straight to the device, the others through a pinned staging
-    slot), and `layer(i)` makes the consumer's stream wait on the end of that work. Tensors
+    slab), and `layer(i)` makes the consumer's stream wait on the end of that work. Tensors
     already on the device (the gpu tier) are not copied. Compressed layers (`QuantizedPair`)
     travel compressed and are dequantized on the device. `coalesce=True` takes the staged
     path on the CPU too (the store's `stage_kv`: tests, benchmarks); otherwise a CPU layer is
@@ -381,8 +381,8 @@ class KVLayerStream:
             layer = join(moved_items, self._chunk_index)
             end = mark(self.device, self._copy_stream)
         assert isinstance(end, torch.cuda.Event)
-        if moved.slot is not None:
-            self._staging.copied(moved.slot, end)
+        if moved.slab is not None:
+            self._staging.copied(moved.slab, end)
         self._count_copies(moved.copies, moved.nbytes)
         return layer, DeviceSpan(start, end)
 

@@ -1,6 +1,6 @@
 """One layer of a stream's chunks as one tensor pair on the device, in a number of copies and
 kernels that does not grow with the number of chunks: host tensors move in one call (pinned
-ones straight to the device, the others through a pinned staging slot and one copy), compressed
+ones straight to the device, the others through a pinned staging slab and one copy), compressed
 chunks are dequantized together, and every chunk's tokens are joined by one cat."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from kvstore.codec import QuantizedPair, dequantize
 from kvstore.tiers import KVPair, LayerItem
 from kvstore.types import LayerKV
 
-# Staging slots. A slot is reused two loads later; its previous host->device copy (tens of
+# Staging slabs. A slab is reused two loads later; its previous host->device copy (tens of
 # GB/s) has long finished by then, and waiting on that copy's event makes it certain.
-RING_SLOTS = 2
+RING_SLABS = 2
 # Every tensor packed into a slab starts on this boundary, so any dtype can view it.
 PACK_ALIGN = 256
 
@@ -38,36 +38,36 @@ def slab_views(slab: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
 
 
 class StagingRing:
-    """RING_SLOTS staging slots for copies to one device, used by one loader thread at a time;
-    on CUDA the slots are pinned and `copy_stream` is the stream their copies run on."""
+    """RING_SLABS staging slabs for copies to one device, used by one loader thread at a time;
+    on CUDA the slabs are pinned and `copy_stream` is the stream their copies run on."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._slots: list[torch.Tensor] = []  # allocated at the first copy
-        self._events: list[torch.cuda.Event | None] = [None] * RING_SLOTS
+        self._slabs: list[torch.Tensor] = []  # allocated at the first copy
+        self._events: list[torch.cuda.Event | None] = [None] * RING_SLABS
         self._next = 0
 
     def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
-        """The next slot's index and its first `nbytes`, once the copy that last read it is
-        done; slots grow to the largest layer seen."""
+        """The next slab's index and its first `nbytes`, once the copy that last read it is
+        done; slabs grow to the largest layer seen."""
         index = self._next
-        self._next = (index + 1) % RING_SLOTS
+        self._next = (index + 1) % RING_SLABS
         previous = self._events[index]
         if previous is not None:
             previous.synchronize()
-        if not self._slots or self._slots[index].numel() < nbytes:
+        if not self._slabs or self._slabs[index].numel() < nbytes:
             pin = self.copy_stream is not None
             if self.copy_stream is not None:
-                self.copy_stream.synchronize()  # the old slots may still be read by a copy
-            self._slots = [
-                torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(RING_SLOTS)
+                self.copy_stream.synchronize()  # the old slabs may still be read by a copy
+            self._slabs = [
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(RING_SLABS)
             ]
-            self._events = [None] * RING_SLOTS
-        return index, self._slots[index][:nbytes]
+            self._events = [None] * RING_SLABS
+        return index, self._slabs[index][:nbytes]
 
     def copied(self, index: int, event: torch.cuda.Event) -> None:
-        """Slot `index` is read by the copy that `event` marks the end of."""
+        """Slab `index` is read by the copy that `event` marks the end of."""
         self._events[index] = event
 
 
@@ -89,11 +89,11 @@ class StagingRings:
 @dataclasses.dataclass
 class Moved:
     """What moving one layer's host tensors did: the copy calls made (0 when nothing moved),
-    their bytes, and the staging slot read (None: none)."""
+    their bytes, and the staging slab read (None: none)."""
 
     copies: int = 0
     nbytes: int = 0
-    slot: int | None = None
+    slab: int | None = None
 
 
 def item_tensors(item: LayerItem) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ def move_to_device(
 ) -> tuple[list[LayerItem], Moved]:
     """`items` with every host tensor on `device` (on the CPU: copied anyway, as a GPU's path
     does), in at most two copy calls: pinned tensors straight into a device slab, the others
-    packed into a staging slot first (host copies in one call, which releases the GIL) and
+    packed into a staging slab first (host copies in one call, which releases the GIL) and
     copied to the device in one piece. Runs on the ring's copy stream where it has one."""
     tensors = [t for item in items for t in item_tensors(item)]
     moves = [t.device != device or device.type == "cpu" for t in tensors]
@@ -134,7 +134,7 @@ def move_to_device(
         moved.copies, moved.nbytes = moved.copies + 1, moved.nbytes + slab.nbytes
     if any(staged):
         sources = [t for t, pick in zip(tensors, staged, strict=True) if pick]
-        moved.slot, staging = ring.take(packed_size(sources))
+        moved.slab, staging = ring.take(packed_size(sources))
         torch._foreach_copy_(slab_views(staging, sources), sources)
         slab = staging.to(device, non_blocking=True, copy=True)
         targets = slab_views(slab, sources)

@@ -66,7 +66,7 @@ class KVStoreConfig:
     # order (bench/results/cache_churn.md measures both).
     memory_policy: PolicyName = "tinylfu"
     # On the CPU, stream each layer through the staging copy a GPU's layers take (one copy call
-    # per layer into a staging slot, then one more): tests and benchmarks see that path's cost
+    # per layer into a staging slab, then one more): tests and benchmarks see that path's cost
     # and its locking without a GPU. Off the CPU layers are always staged.
     stage_kv: bool = False
 

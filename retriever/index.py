@@ -99,7 +99,7 @@ class IndexParams:
 def auto_ef_search(vectors: int) -> int:
     """The HNSW search beam for an index of `vectors`: 1024 up to 100,000, four times wider
     per tenfold beyond (4096 at 1M), the beam that keeps recall@5 >= 0.95 with the default
-    graph (M 48, efConstruction 200) on the synthetic benchmark of docs/retriever.md
+    graph (M 48, efConstruction 200) on the synthetic benchmark of docs/benchmarks/retriever.md
     (near-equidistant vectors; real embeddings need far less)."""
     if vectors <= AUTO_EF_BASE_VECTORS:
         return AUTO_EF_BASE

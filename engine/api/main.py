@@ -11,8 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from common.auth import InternalTokenMiddleware
+from common.body_limit import BodySizeLimitMiddleware
 from common.errors import error_response, install_error_handlers
-from common.limits import BodySizeLimitMiddleware
 from common.request_id import RequestIdMiddleware
 from common.requests import RequestGuardMiddleware
 from engine.api.metrics import EngineMetrics

@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # the loop imports the check layers, which import tokens_kept
 
 # Blend only while loads take less than this share of a layer's compute. Above it a blend
 # saves under 20 % (it recomputes r = load / compute of the tokens anyway) while an estimate
-# a little low makes it wait on every layer's load: measured on the 2-core CPU, blends at
-# r ≈ 0.98 from a slow tier took 1.4 x a full prefill.
+# a little low makes it wait on every layer's load, past a full prefill's time (the slow tier
+# in docs/benchmarks/kv-pipeline.md).
 MAX_LOAD_RATIO = 0.8
 
 

@@ -65,8 +65,9 @@ class GrammarCompiler:
 
     def compile(self, schema_text: str) -> CompiledGrammar:
         """The compiled grammar of a serialized JSON schema; raises GrammarError naming what
-        the library rejects. Takes up to ~100 ms for a large schema: call it off the engine
-        thread (the service calls it on a thread, as it tokenizes)."""
+        the library rejects. A request waits for it (milliseconds,
+        docs/benchmarks/structured-output.md): call it off the engine thread (the service calls
+        it on a thread, as it tokenizes)."""
         with self._lock:
             compiled = self._compiled.get(schema_text)
             if compiled is not None:
@@ -78,8 +79,9 @@ class GrammarCompiler:
             raise GrammarError(f"response_format: {exc}") from exc
         # Building the matcher compiles the grammar (and drops the GIL while it does).
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-        # The first mask builds the lexer's states (14 ms on the first schema of a tokenizer,
-        # bench/structured_output.py): here, not in a decode step; the copies inherit them.
+        # The first mask builds the lexer's states, the longest mask of a sequence
+        # (docs/benchmarks/structured-output.md): here, not in a decode step; the copies
+        # inherit them.
         matcher.compute_bitmask()
         if matcher.is_error():
             raise GrammarError(f"response_format: the JSON schema: {matcher.get_error()}")

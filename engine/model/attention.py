@@ -11,7 +11,8 @@ import torch
 ATTENTION_BLOCK = 256
 # A contiguous run at positions a..b-1 goes to the causal kernel (over keys 0..b-1, with a
 # padding rows in front) when a <= CAUSAL_PADDING * (b - a): at most 4/3 of the masked path's
-# FLOPs, and on CPU the masked kernel takes ~1.6x the causal one's time per key.
+# FLOPs, and on the CPU the masked kernel costs more per key than the causal one
+# (docs/benchmarks/engine-ttft.md).
 CAUSAL_PADDING = 1.0
 # Shorter runs are not worth a call of their own: they join the masked blocks.
 MIN_CAUSAL_RUN = 64

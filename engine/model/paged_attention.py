@@ -13,9 +13,9 @@ RowRead = list[slice] | torch.Tensor
 Reads = list[RowRead] | tuple[torch.Tensor, dict[int | None, torch.Tensor]]
 
 # The most runs of consecutive blocks a row reads as views (one SDPA each, merged); a row in
-# more pieces is gathered. Two: a shared prompt prefix, then the sequence's own blocks, where
-# the views measured as fast as one run and the gather up to 1.9x slower (more runs are not
-# measured; research/paged_capacity.py).
+# more pieces is gathered. Two: a shared prompt prefix, then the sequence's own blocks, whose
+# views cost what one run does while a gather copies the whole context (more runs are not
+# measured; docs/benchmarks/serving.md, "Paged KV").
 MAX_VIEW_RUNS = 2
 
 
@@ -66,12 +66,12 @@ def attend_rows(
     """Attention of queries [B, H_kv, G, D], one SDPA per row over exactly its own keys of a
     layer's pool flattened to [N * block_size, H_kv, D] (no mask, no padding); [B, H_kv, G, D].
     On the CPU this beats one batched SDPA over gathered blocks, whose copy of every row's
-    context made the step 2-4x slower at 8K of context (research/paged_capacity.py)."""
+    context slows the step the more, the longer the context (docs/benchmarks/serving.md,
+    "Paged KV")."""
     outs = []
     for q, read in zip(q_rows[:, None], reads, strict=True):
         if isinstance(read, torch.Tensor):
-            # [1, H_kv, n, D]: 4-D inputs take SDPA's fused CPU kernel (3-D ones measured
-            # 40x slower).
+            # [1, H_kv, n, D]: 4-D inputs take SDPA's fused CPU kernel, 3-D ones do not.
             k, v = keys[read].transpose(0, 1)[None], values[read].transpose(0, 1)[None]
             if window is not None:
                 k, v = k[:, :, -window:], v[:, :, -window:]

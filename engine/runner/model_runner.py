@@ -97,7 +97,7 @@ class ModelRunner:
     Pool: keys and values [L, N, block_size, H_kv, D], token-major within a block: a run of
     consecutive blocks is the sequence's [T, H_kv, D] rows in order, which a transposed view
     hands to SDPA without a copy, and gathering scattered blocks gives the same rows in one
-    copy (measured on the CPU: 2-3x faster than head-major blocks, whose gather permutes).
+    copy (on the CPU faster than head-major blocks, whose gather permutes).
     """
 
     def __init__(

@@ -31,8 +31,8 @@ class BlockManager:
         self.block_size = block_size
         # 1 where a block is free. A sequence's blocks are taken as one run of consecutive ids
         # where there is one (the lowest): the CPU decode reads a row's keys as views of its
-        # runs, and a second run cost ~10 % of an unloaded decode step (bench/serving.py's
-        # baselines after load); past two runs it gathers (engine/paged_attention.py).
+        # runs, and each run is an attention call of its own (docs/benchmarks/serving.md,
+        # "Paged KV"); past two runs it gathers (engine/model/paged_attention.py).
         self._free = bytearray(b"\x01") * num_blocks
         self._num_free = num_blocks
         self._refs = [0] * num_blocks

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 # ~2.5 of them, inside the 3x a decoding sequence may take under load (the overload target).
 PREFILL_DECODE_STEPS = 1.5
 # The most tokens a step feeds the model: past it a GPU's step costs more than its decodes'
-# time for little more prefill throughput (the default measured on the H200).
+# time for little more prefill throughput (docs/benchmarks/serving.md, "The step budget").
 MAX_STEP_TOKENS = 2048
 # The prompts timed: their difference is the cost of a prompt token, without the fixed costs
 # of a forward (which the decode of the same step pays already).

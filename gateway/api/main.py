@@ -11,7 +11,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from common.limits import BodySizeLimitMiddleware
+from common.body_limit import BodySizeLimitMiddleware
 from common.request_id import REQUEST_ID_HEADER
 from common.requests import RequestGuardMiddleware
 from gateway.api import handlers

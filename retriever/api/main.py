@@ -12,8 +12,8 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from common.auth import InternalTokenMiddleware
+from common.body_limit import BodySizeLimitMiddleware
 from common.errors import install_error_handlers
-from common.limits import BodySizeLimitMiddleware
 from common.request_id import RequestIdMiddleware
 from common.requests import RequestGuardMiddleware
 from retriever.api.routes import chunk, documents, health, search

@@ -397,7 +397,7 @@ def test_cuda_layers_arrive_in_two_copies_at_most_and_gpu_hits_in_none(
                     assert k.is_cuda and k.dtype == torch.bfloat16
                     assert torch.equal(k.cpu(), kv.keys[i]) and torch.equal(v.cpu(), kv.values[i])
         # Per layer: the pinned host chunk straight to the device, the SSD one through the
-        # staging slot: two copies, whatever the number of chunks.
+        # staging slab: two copies, whatever the number of chunks.
         assert stream.stats.device_copies == 2 * 4
         gpu_kv = store.tier(tiers.GPU).get(KEYS[2])
         with store.open_stream([KEYS[2]], device="cuda") as gpu_only:

@@ -69,7 +69,8 @@ async def generate(
         # and ask Redis: on a thread, so that the event loop keeps serving /health and the
         # streams in flight. Length errors are a 422 before queueing.
         layout = await asyncio.to_thread(engine.layout, request)
-        # A new schema compiles in up to ~100 ms, also on a thread; a bad one is a 400 before
+        # A new schema compiles on a thread too (milliseconds,
+        # docs/benchmarks/structured-output.md); a bad one is a 400 before
         # any KV is looked up.
         grammar = await asyncio.to_thread(engine.compile_grammar, request)
         opened = await _open_kv(engine, request, layout)
