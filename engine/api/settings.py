@@ -19,6 +19,7 @@ from common.contract import (
     RecomputeRatio,
     Selection,
 )
+from engine.blend.layout import DEFAULT_SYSTEM_PROMPT
 from engine.types import DEFAULT_RECOMPUTE_RATIO, DecodeAttention, GenerationDefaults
 from kvstore.codec import Encoding
 from kvstore.eviction import PolicyName
@@ -46,18 +47,22 @@ class EngineSettings(BaseSettings):
     )
 
     model: str = Field(description="checkpoint directory or hub id in the local cache")
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    host: str = "127.0.0.1"
-    port: int = Field(8002, ge=1, le=65535)
+    device: Literal["cpu", "cuda"] = Field("cpu", description="torch device of the model")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and KV dtype; auto: bfloat16 on cuda, float32 on the cpu"
+    )
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8002, ge=1, le=65535, description="port the engine listens on")
     store_path: Path | None = Field(Path("data/kv"), description="directory of the SSD tier")
-    memory_budget_gb: float = Field(2.0, ge=0)
+    memory_budget_gb: float = Field(
+        2.0, ge=0, description="host-memory KV tier budget (evicts by kv_cache_policy)"
+    )
     kv_cache_policy: PolicyName = Field(
         "tinylfu",
         description="eviction policy of the host-memory and gpu KV tiers: tinylfu (W-TinyLFU: "
         "one-off chunks cannot flush the warm ones) or lru; see docs/kvstore.md",
     )
-    ssd_budget_gb: float = Field(20.0, ge=0)
+    ssd_budget_gb: float = Field(20.0, ge=0, description="SSD KV tier budget (evicts by LRU)")
     kv_encoding: Encoding = Field(
         "int8",
         description="how new SSD and remote entries store KV: int8 or fp8 with per-channel "
@@ -69,7 +74,7 @@ class EngineSettings(BaseSettings):
         None,
         repr=False,
         description="Redis of the remote KV tier every engine shares (redis://host:port/db or "
-        "rediss://; a password is never logged); none: no remote tier",
+        "rediss://; a password is never logged); unset: no remote tier",
     )
     remote_timeout_s: float = Field(
         0.5,
@@ -81,7 +86,7 @@ class EngineSettings(BaseSettings):
     gpu_tier_gb: float | None = Field(
         None,
         ge=0,
-        description="device-memory KV tier on CUDA (0: none); default: gpu_tier_share of the "
+        description="device-memory KV tier on CUDA (0: none); unset: gpu_tier_share of the "
         "free GPU memory. On the CPU, host memory plays this role",
     )
     gpu_tier_share: float = Field(
@@ -104,12 +109,12 @@ class EngineSettings(BaseSettings):
     max_model_len: int | None = Field(
         None,
         ge=1,
-        description="positions per sequence (prompt + max_tokens); default: the model's, <= 8192",
+        description="positions per sequence (prompt + max_tokens); unset: the model's, <= 8192",
     )
     kv_pool_gb: float | None = Field(
         None,
         gt=0,
-        description="KV pool size; default: half the free GPU memory or a quarter of the free RAM",
+        description="KV pool size; unset: half the free GPU memory or a quarter of the free RAM",
     )
     max_prefill_tokens: int = Field(
         8192,
@@ -122,8 +127,8 @@ class EngineSettings(BaseSettings):
         ge=1,
         le=1_048_576,
         description="tokens one engine step feeds the model, decodes first; prefills fill the "
-        "rest and go on in the next step (default: measured at start, as many prompt tokens "
-        "as 1.5 decode steps of one sequence take on this machine, 16 to 2048)",
+        "rest and go on in the next step; unset: measured at start, as many prompt tokens as "
+        "1.5 decode steps of one sequence take on this machine, 16 to 2048",
     )
     prefill_batch_tokens: int | None = Field(
         None,
@@ -131,7 +136,7 @@ class EngineSettings(BaseSettings):
         le=1_048_576,
         description="prefills admitted together run side by side in one forward (projections "
         "and MLPs batched per layer) while their prompts total at most this many tokens; 0: "
-        "one after another (default: 2048 on the CPU, 16384 on a GPU)",
+        "one after another; unset: 2048 on the CPU, 16384 on a GPU",
     )
     cuda_graph_max_batch: int = Field(
         0,
@@ -150,7 +155,7 @@ class EngineSettings(BaseSettings):
         None,
         description="fixed ratio of requests that set none, or auto: the check layer keeps the "
         "tokens that cover auto_coverage of the selection's score mass, at most auto_max_ratio "
-        "(docs/quality.md); None: the controller chooses",
+        "(docs/quality.md); unset: the controller chooses",
     )
     min_recompute_ratio: float = Field(
         DEFAULT_RECOMPUTE_RATIO, ge=0, le=1, description="the controller's lowest ratio"
@@ -214,7 +219,11 @@ class EngineSettings(BaseSettings):
         description="default presence_penalty of requests (0: off; OpenAI's meaning)",
     )
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="largest max_tokens accepted")
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(
+        None,
+        description="system prompt of requests that send none; unset: "
+        f"{DEFAULT_SYSTEM_PROMPT!r} (the demo model, demo/, was trained with it)",
+    )
     max_text_chars: int = Field(
         400_000, ge=1, description="longest question, system prompt or chunk text, in characters"
     )

@@ -5,10 +5,12 @@ A partial conversion never leaves a readable folder (temporary name, then rename
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -143,20 +145,23 @@ def _dequantize(source: Path, out: Path) -> None:
     log.info("converted %s in %.1f s", source.name, time.perf_counter() - started)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.gguf FILE CACHE_DIR`: convert (or find) and print the folder.
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m engine.model.gguf FILE CACHE_DIR`: convert (or find) and print the folder.
 
     How `ragblend up` converts before its services start, in a process of its own so that the
     dequantized weights do not stay in the supervisor's memory; exit 2 with the reason on a
     file it cannot use.
     """
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m engine.gguf", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.model.gguf", description=build_parser.__doc__
+    )
     parser.add_argument("gguf", help="a .gguf file, or a folder holding one")
     parser.add_argument("cache_dir", help="where converted checkpoints are kept")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         print(convert_gguf(args.gguf, args.cache_dir))

@@ -82,7 +82,7 @@ def resolve_checkpoint(path: str, cache_dir: Path | None = None) -> str:
     """`path` itself, or for a GGUF file (or a folder holding one) its converted checkpoint
     folder in `cache_dir` (default model_cache_dir()), converting it on first use.
 
-    Raises ModelNotFoundError, ModelNotSupportedError or ModelCorruptError (engine.gguf).
+    Raises ModelNotFoundError, ModelNotSupportedError or ModelCorruptError (engine.model.gguf).
     """
     if not is_gguf(path):
         return path

@@ -75,6 +75,15 @@ def test_the_field_description_and_default_are_the_flag_help():
     assert "tokens per chunk (default 512)" in help_text
 
 
+def test_a_factory_default_and_an_unset_default_read_as_the_flag_takes_them():
+    parser = argparse.ArgumentParser()
+    add_settings_flags(parser, EngineSettings)
+    help_text = " ".join(parser.format_help().split())
+    assert "PydanticUndefined" not in help_text and "(default None)" not in help_text
+    assert "below 8 layers) (default none)" in help_text  # check_layers: a list by factory
+    assert "unset: the controller chooses (default unset)" in help_text
+
+
 def test_invalid_settings_end_the_command_naming_the_field():
     args = build_parser().parse_args(["engine", "--model", "m", "--max-num-seqs", "0"])
     with pytest.raises(SystemExit, match="max_num_seqs"):
