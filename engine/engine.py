@@ -29,7 +29,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.sched.background import BackgroundQueue
 from engine.sched.blocks import BlockManager
 from engine.sched.calibrate import step_token_budget
-from engine.sched.estimate import QueueEstimate, seated_remaining
+from engine.sched.estimate import QueueEstimate, lane_holders_remaining
 from engine.sched.executor import Executor
 from engine.sched.job import Event, Job, new_job
 from engine.sched.postprocess import Postprocessor
@@ -149,7 +149,7 @@ class Engine:
     def room_after_s(self) -> float:
         """When a full queue may take another request (QueueEstimate.room_after_s)."""
         with self._lock:
-            return self.estimate.room_after_s(seated_remaining(self.scheduler))
+            return self.estimate.room_after_s(lane_holders_remaining(self.scheduler))
 
     def kv_pool_use(self) -> PoolUse:
         """The KV pool's blocks by holder (Scheduler.pool_use), counted under the engine lock:

@@ -332,7 +332,7 @@ class StepRecord:
         return self.decode_s + self.prefill_s
 
     @property
-    def decode_rode(self) -> bool:
+    def decode_fused(self) -> bool:
         """The decode ran in the prefills' forward: its time is in prefill_s (decode_s 0)."""
         return bool(self.num_decodes and self.num_prefills) and self.decode_s == 0.0
 

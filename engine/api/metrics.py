@@ -221,7 +221,7 @@ class EngineMetrics:
         if step.num_decodes:
             self.batch_size.labels("decode").observe(step.num_decodes)
             self.step_tokens.labels("decode").observe(step.num_decodes)
-            if not step.decode_rode:  # else its time is the prefill's, in one forward
+            if not step.decode_fused:  # else its time is the prefill's, in one forward
                 self.step_seconds.labels("decode").observe(step.decode_s)
         if step.num_prefills:
             self.batch_size.labels("prefill").observe(step.num_prefills)

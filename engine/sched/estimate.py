@@ -26,9 +26,9 @@ class QueueEstimate:
     one decode per prompt ahead, and one after the newest). Where the decodes are fused into the
     prefills' forward (the engine's last step that ran both said so) their time is in the
     measured prefill throughput already, and no decode step is added. When the KV pool admits
-    no more the request also waits for a seat (`seat_wait_steps`): each sequence holds its seat
+    no more the request also waits for a lane (`lane_wait_steps`): each sequence holds its lane
     until its max_tokens are decoded (EOS or a stop string ends it sooner: an upper bound), and
-    the sequences waiting ahead take the seats that free first. Before a step of a kind was
+    the sequences waiting ahead take the lanes that free first. Before a step of a kind was
     measured it counts as free.
     """
 
@@ -36,7 +36,7 @@ class QueueEstimate:
         self.prefill_tokens_per_s: float | None = None
         self.decode_step_s: float | None = None
         self._prefill_s = 0.0  # prefill seconds since a prefill last completed
-        self.decodes_ride = False  # decodes run in the prefills' forward (StepRecord.decode_rode)
+        self.decodes_fused = False  # decodes run in the prefills' forward (StepRecord.decode_fused)
 
     def wait_for(self, scheduler: Scheduler) -> float:
         """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
@@ -46,20 +46,20 @@ class QueueEstimate:
             waiting_tokens=sum(seq.num_prompt_tokens for seq in ahead),
             waiting_max_tokens=[seq.max_tokens for seq in scheduler.waiting],
             in_flight=len(scheduler.prefilling),
-            running_remaining=seated_remaining(scheduler),
-            free_seats=scheduler.free_seats(),
+            running_remaining=lane_holders_remaining(scheduler),
+            startable=scheduler.startable_now(),
             step_tokens=math.inf if budget is None else budget,
         )
 
     def room_after_s(self, running_remaining: list[int]) -> float:
-        """Seconds until the first sequence holding a seat ends at the latest (after its
+        """Seconds until the first sequence holding a lane ends at the latest (after its
         remaining max_tokens), which lets a full queue take another request: a 429's
-        Retry-After. 0 while nothing holds a seat or no decode step was measured."""
+        Retry-After. 0 while nothing holds a lane or no decode step was measured."""
         return min(running_remaining, default=0) * (self.decode_step_s or 0.0)
 
     def observe(self, step: StepRecord) -> None:
         if step.num_decodes and step.num_prefills:
-            self.decodes_ride = step.decode_rode
+            self.decodes_fused = step.decode_fused
         if step.num_decodes and step.decode_s > 0.0:
             self.decode_step_s = smoothed(self.decode_step_s, step.decode_s)
         # A prefill in pieces spends several steps: its throughput counts once it completes.
@@ -75,51 +75,51 @@ class QueueEstimate:
         waiting_tokens: int,
         waiting_max_tokens: list[int],
         running_remaining: list[int],
-        free_seats: int,
+        startable: int,
         step_tokens: float = math.inf,
         in_flight: int = 0,
     ) -> float:
         """`waiting_tokens`: the prompt tokens of the waiting sequences and of the `in_flight`
         prefills (which hold blocks); `waiting_max_tokens`: each waiting sequence's, in queue
-        order; `running_remaining`: tokens each sequence holding a seat (decoding, or in
-        flight) may still decode; `free_seats`: sequences the pool would start now
-        (Scheduler.free_seats)."""
+        order; `running_remaining`: tokens each sequence holding a lane (decoding, or in
+        flight) may still decode; `startable`: sequences the pool would start now
+        (Scheduler.startable_now)."""
         waiting_seqs = len(waiting_max_tokens)
         prompts_ahead = waiting_seqs + in_flight
         if not prompts_ahead and not running_remaining:
             return 0.0
         prefill_s = waiting_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0.0
         interleaved_steps = prompts_ahead
-        if running_remaining and self.decodes_ride:
+        if running_remaining and self.decodes_fused:
             interleaved_steps = 0
         elif running_remaining:
             pieces = prompts_ahead if math.isinf(step_tokens) else waiting_tokens / step_tokens
             interleaved_steps = math.ceil(pieces) + 1
-        seat_steps = seat_wait_steps(running_remaining, waiting_max_tokens, free_seats)
-        decode_steps = max(interleaved_steps, seat_steps)
+        lane_steps = lane_wait_steps(running_remaining, waiting_max_tokens, startable)
+        decode_steps = max(interleaved_steps, lane_steps)
         return prefill_s + decode_steps * (self.decode_step_s or 0.0)
 
 
-def seated_remaining(scheduler: Scheduler) -> list[int]:
-    """The tokens each sequence holding a seat (prefilling or decoding) may still decode."""
-    seated = [*scheduler.prefilling, *scheduler.decoding]
-    return [seq.max_tokens - seq.num_output_tokens for seq in seated]
+def lane_holders_remaining(scheduler: Scheduler) -> list[int]:
+    """The tokens each sequence holding a lane (prefilling or decoding) may still decode."""
+    holders = [*scheduler.prefilling, *scheduler.decoding]
+    return [seq.max_tokens - seq.num_output_tokens for seq in holders]
 
 
-def seat_wait_steps(
-    running_remaining: list[int], waiting_max_tokens: list[int], free_seats: int
+def lane_wait_steps(
+    running_remaining: list[int], waiting_max_tokens: list[int], startable: int
 ) -> int:
-    """Decode steps until a seat is free for a request behind the waiting sequences: the free
-    seats are free now, a running sequence's when its remaining tokens are decoded; each waiting
-    sequence, in order, takes the seat that frees first and holds it for its max_tokens. 0 when
-    no seat is known (nothing runs and none is free: the pool's limits, not a wait)."""
-    seats = [0] * max(free_seats, 0) + list(running_remaining)
-    if not seats:
+    """Decode steps until a lane is free for a request behind the waiting sequences: the free
+    lanes are free now, a running sequence's when its remaining tokens are decoded; each waiting
+    sequence, in order, takes the lane that frees first and holds it for its max_tokens. 0 when
+    no lane is known (nothing runs and none is free: the pool's limits, not a wait)."""
+    lanes = [0] * max(startable, 0) + list(running_remaining)
+    if not lanes:
         return 0
-    heapq.heapify(seats)
+    heapq.heapify(lanes)
     for max_tokens in waiting_max_tokens:
-        heapq.heapreplace(seats, seats[0] + max_tokens)
-    return seats[0]
+        heapq.heapreplace(lanes, lanes[0] + max_tokens)
+    return lanes[0]
 
 
 def smoothed(old: float | None, new: float) -> float:

@@ -157,7 +157,7 @@ class Scheduler(Generic[S]):
         """How many waiting sequences, in order, the free blocks and lanes would admit now."""
         return self._fit()[0]
 
-    def free_seats(self) -> int:
+    def startable_now(self) -> int:
         """Sequences that could start now: the waiting ones the pool admits, and one arrival of
         unknown length if every waiting one is admitted (none ahead of it is held up) and a
         lane and a block are left after them."""
@@ -294,7 +294,7 @@ class Scheduler(Generic[S]):
     def finish_done(self, seqs: list[S]) -> list[S]:
         """After a step: finish those of `seqs` that have a finish reason (returned), and move
         the prefills it completed to the decoding sequences, so that between steps admission
-        counts (`num_admissible`, `free_seats`) and the queue estimate see their prefixes
+        counts (`num_admissible`, `startable_now`) and the queue estimate see their prefixes
         shared and their prefills done."""
         done = [seq for seq in seqs if seq.finish_reason is not None]
         for seq in done:

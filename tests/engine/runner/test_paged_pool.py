@@ -1,5 +1,5 @@
 """The paged pool's size: the byte budget cut into blocks, capped where more could never be used,
-refused where one sequence of max_model_len would not fit; and the seats the estimate counts."""
+refused where one sequence of max_model_len would not fit; and the lanes the estimate counts."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ def test_a_budget_below_one_sequence_of_max_model_len_is_refused(engine_for):
         fit_blocks(ops, 4, 256, 16, 15 * pool_bytes(ops, 16))
 
 
-def test_free_seats_count_the_waiting_that_fit_and_one_arrival_if_room_is_left():
+def test_startable_now_counts_the_waiting_that_fit_and_one_arrival_if_room_is_left():
     s: Scheduler[Sequence] = Scheduler(BlockManager(8, 16), 4, 8, 1000)
-    assert s.free_seats() == 1
+    assert s.startable_now() == 1
     for _ in range(3):
         s.add(Sequence(num_prompt_tokens=40, max_tokens=8))  # 3 blocks each
-    assert s.num_admissible() == 2 and s.free_seats() == 2  # 2 fit; 2 blocks left, held up
+    assert s.num_admissible() == 2 and s.startable_now() == 2  # 2 fit; 2 blocks left, held up
     s.schedule()
-    assert s.num_admissible() == 0 and s.free_seats() == 0  # the third needs 3 of the 2 left
+    assert s.num_admissible() == 0 and s.startable_now() == 0  # the third needs 3 of the 2 left

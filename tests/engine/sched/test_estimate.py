@@ -26,7 +26,7 @@ def measured(prefill_tokens_per_s: float = 1000.0, decode_step_s: float = 0.01) 
 def test_an_idle_engine_has_no_wait():
     assert (
         measured().wait_s(
-            waiting_tokens=0, waiting_max_tokens=[], running_remaining=[], free_seats=4
+            waiting_tokens=0, waiting_max_tokens=[], running_remaining=[], startable=4
         )
         == 0.0
     )
@@ -34,7 +34,7 @@ def test_an_idle_engine_has_no_wait():
 
 def test_prompts_waiting_ahead_cost_their_prefill_and_the_decode_steps_between():
     wait = measured().wait_s(
-        waiting_tokens=2000, waiting_max_tokens=[64, 64], running_remaining=[50], free_seats=3
+        waiting_tokens=2000, waiting_max_tokens=[64, 64], running_remaining=[50], startable=3
     )
     # 2 s of prefill, then a decode step after each of the 2 prefills and after the newest.
     assert wait == pytest.approx(2.0 + 3 * 0.01)
@@ -46,7 +46,7 @@ def test_under_a_step_token_budget_the_prompts_ahead_share_one_step_per_piece_wi
         waiting_max_tokens=[64],
         in_flight=1,
         running_remaining=[50],
-        free_seats=3,
+        startable=3,
         step_tokens=500,
     )
     # 2 s of prefill in 4 pieces of 500 tokens, each step with a decode, and one after them.
@@ -62,33 +62,33 @@ def test_a_prefill_in_pieces_counts_towards_throughput_once_it_completes():
     assert estimate.decode_step_s == pytest.approx(0.01)
 
 
-def test_with_every_seat_taken_the_request_waits_for_a_running_sequence_to_end():
+def test_with_every_lane_taken_the_request_waits_for_a_running_sequence_to_end():
     wait = measured().wait_s(
-        waiting_tokens=0, waiting_max_tokens=[], running_remaining=[300, 120], free_seats=0
+        waiting_tokens=0, waiting_max_tokens=[], running_remaining=[300, 120], startable=0
     )
     assert wait == pytest.approx(120 * 0.01)
 
 
-def test_sequences_waiting_ahead_hold_the_seats_they_take_for_their_max_tokens():
+def test_sequences_waiting_ahead_hold_the_lanes_they_take_for_their_max_tokens():
     wait = measured().wait_s(
         waiting_tokens=0,
         waiting_max_tokens=[100, 40],
         running_remaining=[300, 120],
-        free_seats=0,
+        startable=0,
     )
-    # The first waiting sequence takes the seat freed at 120 and holds it to 220; the second
-    # takes the one freed at 220 (before 300) and holds it to 260: the next seat frees at 260.
+    # The first waiting sequence takes the lane freed at 120 and holds it to 220; the second
+    # takes the one freed at 220 (before 300) and holds it to 260: the next lane frees at 260.
     assert wait == pytest.approx(260 * 0.01)
 
 
-def test_a_free_seat_goes_to_the_first_waiting_sequence_and_frees_after_its_max_tokens():
+def test_a_free_lane_goes_to_the_first_waiting_sequence_and_frees_after_its_max_tokens():
     estimate = measured()
     wait = estimate.wait_s(
-        waiting_tokens=0, waiting_max_tokens=[50], running_remaining=[80], free_seats=1
+        waiting_tokens=0, waiting_max_tokens=[50], running_remaining=[80], startable=1
     )
     assert wait == pytest.approx(50 * 0.01)
     idle = estimate.wait_s(
-        waiting_tokens=0, waiting_max_tokens=[], running_remaining=[], free_seats=0
+        waiting_tokens=0, waiting_max_tokens=[], running_remaining=[], startable=0
     )
     assert idle == 0.0
 
@@ -97,7 +97,7 @@ def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
     estimate = QueueEstimate()
     assert (
         estimate.wait_s(
-            waiting_tokens=500, waiting_max_tokens=[64], running_remaining=[10], free_seats=1
+            waiting_tokens=500, waiting_max_tokens=[64], running_remaining=[10], startable=1
         )
         == 0.0
     )
@@ -107,24 +107,24 @@ def test_unmeasured_steps_count_as_free_and_averages_follow_new_speeds():
     assert estimate.decode_step_s == pytest.approx(0.05, rel=1e-3)
 
 
-def test_where_decodes_ride_in_the_prefills_forward_no_decode_step_is_added():
+def test_where_decodes_are_fused_into_the_prefills_forward_no_decode_step_is_added():
     estimate = measured()
     estimate.observe(StepRecord(2, 0.0, 1, 0, 0.1))  # a fused decode: its time in prefill_s
-    assert estimate.decodes_ride
+    assert estimate.decodes_fused
     wait = estimate.wait_s(
         waiting_tokens=2000,
         waiting_max_tokens=[64],
         in_flight=1,
         running_remaining=[50],
-        free_seats=3,
+        startable=3,
         step_tokens=500,
     )
     assert wait == pytest.approx(2000 / estimate.prefill_tokens_per_s)  # type: ignore[operator]
     estimate.observe(StepRecord(2, 0.01, 1, 0, 0.1))  # decoded on its own (a CUDA graph)
-    assert not estimate.decodes_ride
+    assert not estimate.decodes_fused
 
 
-def test_a_full_queue_has_room_once_the_first_seated_sequence_ends_at_the_latest():
+def test_a_full_queue_has_room_once_the_first_running_sequence_ends_at_the_latest():
     estimate = measured(decode_step_s=0.05)
     assert estimate.room_after_s([300, 40, 120]) == pytest.approx(40 * 0.05)
     assert estimate.room_after_s([]) == 0.0

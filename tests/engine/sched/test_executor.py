@@ -59,7 +59,7 @@ def serve_while_one_decodes(engine: Engine, chunks, record) -> None:
     assert while_first_decodes(engine, first, later) == alone
 
 
-def test_the_decode_rows_of_a_step_that_prefills_ride_in_its_forward(
+def test_the_decode_rows_of_a_step_that_prefills_are_fused_into_its_forward(
     checkpoint_dir, make_chunks, monkeypatch
 ):
     engine = serving_engine(checkpoint_dir("llama"))

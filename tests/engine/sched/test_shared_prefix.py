@@ -139,7 +139,7 @@ def test_a_sequence_fits_where_only_its_unshared_blocks_are_free():
     cached(s, a)
     b, c = seq(14, max_tokens=2), seq(14, max_tokens=2)  # 2 blocks each beyond the prefix
     s.add(b), s.add(c)
-    assert s.num_admissible() == 2 and s.free_seats() == 2
+    assert s.num_admissible() == 2 and s.startable_now() == 2
     s.schedule()
     assert len(s.running) == 3 and s.blocks.num_free_blocks == 0
 
@@ -154,7 +154,7 @@ def test_a_prefix_cached_in_the_last_step_counts_for_admission_before_the_next_s
     assert s.decoding == [a] and s.prefixes.shared_blocks(PREFIX) == 2
     b, c = seq(14, max_tokens=2), seq(14, max_tokens=2)
     s.add(b), s.add(c)
-    assert s.num_admissible() == 2 and s.free_seats() == 2
+    assert s.num_admissible() == 2 and s.startable_now() == 2
 
 
 def test_idle_prefixes_are_given_back_when_the_next_sequence_does_not_fit():
