@@ -65,7 +65,7 @@ class EvalOptions(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the model's weights and KV"
     )
-    plot: bool = Field(True, description="skip the PNG (no matplotlib)")
+    plot: bool = Field(True, description="draw the PNG plot (needs matplotlib); --no-plot skips it")
     progress: bool = True
 
     @field_validator("corpus")

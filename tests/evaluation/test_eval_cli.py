@@ -174,7 +174,7 @@ def test_the_help_of_a_flag_is_its_options_description_and_default(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "passages retrieved per question (default 5)" in help_text
     assert "cacheblend recompute ratios (default 0.05 0.15 0.3 0.5)" in help_text
-    assert "--no-plot skip the PNG (no matplotlib)" in help_text
+    assert "--no-plot draw the PNG plot (needs matplotlib); --no-plot skips it" in help_text
     assert "token selections to compare, each at every ratio (default: the engine's own)" in (
         help_text
     )
