@@ -140,7 +140,7 @@ CASES = (
     ),
     Case("serving", (SERVING, f"{SERVING} --from-csv")),
     # The packaged SmolLM2 (converted on first use); llguidance alone without xgrammar.
-    Case("structured_output", ("--repeats 1",)),
+    Case("structured_output", ("--repeats 1",), "research"),
     # Three questions: one of each kind. Each of the script's modes is a run of its own.
     Case(
         "quality",
