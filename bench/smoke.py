@@ -12,8 +12,9 @@ failed case, and exits 1 naming them. `make bench-smoke` runs it; CI, after `mak
 
 Covered beyond each script's own code: layer_profile.py (engine_ttft --profile), harness.py,
 and serving.py's modules (serving_decode, _load, _overload, _point, _report, _workload; the
-report once more from the CSVs, --from-csv). quality.py and retrieval_quality.py run on the demo
-model, with the retriever's MiniLM over the few questions' documents.
+report once more from the CSVs, --from-csv), quality_real_report.py (quality_real.py on the
+packaged SmolLM2, and --from-csv). quality.py and retrieval_quality.py run on the demo model,
+with the retriever's MiniLM over the few questions' documents.
 
 Not covered:
 - chaos.py, chaos_cluster.py: engines, a gateway and redis-server as processes, killed for a
@@ -21,9 +22,8 @@ Not covered:
 - scale.py: engines, a gateway and Redis as processes, 20 s of load per engine count.
 - load.py: a load generator against a running stack (`--url`).
 - retriever_memory.py: a retriever process under rounds of 100K-character ingests.
-- quality_real.py, generation_defaults.py: a real checkpoint (SmolLM2, converted from its GGUF
-  file on first use; generation_defaults's 4096 positions exceed the demo model's 1024) and
-  minutes of CPU per run.
+- generation_defaults.py: a real checkpoint (SmolLM2, converted from its GGUF file on first
+  use: its 4096 positions exceed the demo model's 1024) and minutes of CPU per run.
 - retriever_bench.py, ann.py: the retriever's, not the engine's; MiniLM embeds hundreds of texts
   before anything is measured (at their smallest on 2 busy cores: ~65 s and ~30 s).
 """
@@ -52,6 +52,11 @@ SERVING = (
     f"{MODEL} --quick --chunks 2 --requests 2 --time-limit-s 1 --output-tokens 4 "
     "--max-num-seqs 4 --decode-batches 1 2 --step-batches 1 2 --short-context 64 "
     "--long-context 255 --decode-attention auto flex"
+)
+
+QUALITY = (
+    "--prompts 1 --chunk-tokens 32 --chunks-per-prompt 2 --answer-tokens 2 --ratios 0.15 "
+    "--check-layers 1 --curves 1 --selections hkvd random --coverages 0.9 --threads 1"
 )
 
 
@@ -139,6 +144,8 @@ CASES = (
         "research",
     ),
     Case("serving", (SERVING, f"{SERVING} --from-csv")),
+    # The packaged SmolLM2 on one short prompt: HKVD and random at one ratio and one coverage.
+    Case("quality_real", (QUALITY, f"{QUALITY} --from-csv")),
     # The packaged SmolLM2 (converted on first use); llguidance alone without xgrammar.
     Case("structured_output", ("--repeats 1",), "research"),
     # Three questions: one of each kind. Each of the script's modes is a run of its own.
