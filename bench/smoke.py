@@ -11,8 +11,8 @@ docs/ changed while it ran. Prints a table (bench, seconds, status) and the stde
 failed case, and exits 1 naming them. `make bench-smoke` runs it; CI, after `make test`.
 
 Covered beyond each script's own code: layer_profile.py (engine_ttft --profile), harness.py,
-and serving.py's modules (serving_decode, _load, _overload, _point, _report, _workload; the
-report once more from the CSVs, --from-csv), quality_real_report.py (quality_real.py on the
+and serving.py's modules (serving_load, _overload, _point, _report, _workload; the report once
+more from the CSVs, --from-csv), quality_real_report.py (quality_real.py on the
 packaged SmolLM2, and --from-csv). quality.py and retrieval_quality.py run on the demo model,
 with the retriever's MiniLM over the few questions' documents.
 
@@ -49,9 +49,7 @@ STDERR_TAIL_LINES = 30
 
 MODEL = "--device cpu --shape llama-124m"
 SERVING = (
-    f"{MODEL} --quick --chunks 2 --requests 2 --time-limit-s 1 --output-tokens 4 "
-    "--max-num-seqs 4 --decode-batches 1 2 --step-batches 1 2 --short-context 64 "
-    "--long-context 255 --decode-attention auto flex"
+    f"{MODEL} --quick --chunks 2 --requests 2 --time-limit-s 1 --output-tokens 4 --max-num-seqs 4"
 )
 
 QUALITY = (
@@ -144,6 +142,14 @@ CASES = (
         "research",
     ),
     Case("serving", (SERVING, f"{SERVING} --from-csv")),
+    Case(
+        "serving_decode",
+        (
+            f"{MODEL} --quick --chunks 2 --output-tokens 4 --decode-batches 1 2 "
+            "--step-batches 1 2 --short-context 64 --long-context 255 --decode-attention auto flex",
+        ),
+        "research",
+    ),
     # The packaged SmolLM2 on one short prompt: HKVD and random at one ratio and one coverage.
     Case("quality_real", (QUALITY, f"{QUALITY} --from-csv")),
     # The packaged SmolLM2 (converted on first use); llguidance alone without xgrammar.
