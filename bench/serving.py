@@ -128,24 +128,11 @@ def parse_args() -> argparse.Namespace:
         "outstanding requests x the unloaded request time)",
     )
     parser.add_argument("--unloaded-requests", type=int)
-    parser.add_argument(
-        "--warm-up",
-        type=int,
-        help="requests sent at once to warm each engine before its unloaded figures "
-        "(default: max_num_seqs on cuda, 0 on the CPU)",
-    )
-    parser.add_argument(
-        "--baseline-requests",
-        type=int,
-        help="requests alone before each point, their median TPOT its baseline (default 3)",
-    )
     args = parser.parse_args()
     if args.device == "cuda" and not cuda and not args.from_csv:
         parser.error("--device cuda but torch sees no GPU")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         parser.error("--max-num-batched-tokens must be at least 1")
-    if args.warm_up is not None and args.warm_up < 0:
-        parser.error("--warm-up must be at least 0")
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(
@@ -154,6 +141,9 @@ def parse_args() -> argparse.Namespace:
         requests=100 if on_cuda else 16,
         time_limit_s=30.0 if on_cuda else 50.0,
         unloaded_requests=5 if on_cuda else 3,
+        # Requests sent at once to warm each engine before its unloaded figures (on a GPU the
+        # first run of each shape pays for allocations), and requests alone before each point,
+        # their median TPOT its baseline.
         warm_up=args.max_num_seqs if on_cuda else 0,
         baseline_requests=3,
         throughput_rounds=2,
@@ -173,7 +163,7 @@ def parse_args() -> argparse.Namespace:
         )
         args.output_tokens = min(args.output_tokens, 8)
     for name, value in defaults.items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
     most = max(args.prompt_chunks or [args.chunks])
     if min(args.prompt_chunks or [args.chunks]) < 1 or most > args.pool_chunks:
