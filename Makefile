@@ -60,9 +60,11 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/engine_ttft.py
 
-# Each engine and serving benchmark at its smallest, into a temporary folder (~3 min on 2 cores).
+# Each benchmark, then each experiment (research/), at its smallest, into a temporary folder
+# (~6 min on 2 cores).
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/smoke.py
+	$(BIN)/python research/smoke.py
 
 # On a machine with a GPU: the CUDA tests and benchmarks, ~10 minutes (scripts/cuda-bench.sh).
 bench-cuda: $(STAMP)

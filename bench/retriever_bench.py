@@ -88,6 +88,19 @@ def percentiles_ms(samples_s: list[float]) -> tuple[float, float]:
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
+def latency_row(step: str, chunks: int, call, queries: list[str], index: str = "-") -> dict:
+    """p50 / p99 of `call` once per query, the queries three times over, one at a time."""
+    latencies = []
+    for q in queries * 3:
+        t0 = time.perf_counter()
+        call(q)
+        latencies.append(time.perf_counter() - t0)
+    p50, p99 = percentiles_ms(latencies)
+    return dict(
+        step=step, index=index, chunks=chunks, value=f"{p50:.1f} / {p99:.1f}", unit="ms p50 / p99"
+    )
+
+
 def bench_ingest(args: argparse.Namespace, rows: list[dict]) -> tuple[np.ndarray, Embedder]:
     with tempfile.TemporaryDirectory() as tmp:
         settings = RetrieverSettings(data_dir=Path(tmp), chunk_tokens=args.chunk_tokens)
@@ -114,21 +127,8 @@ def bench_ingest(args: argparse.Namespace, rows: list[dict]) -> tuple[np.ndarray
             f"How many {w}s did the {v} of {u.capitalize()}{i} hold?"
             for i, (w, v, u) in enumerate(zip(WORDS, WORDS[3:], WORDS[7:], strict=False))
         ]
-        latencies = []
-        for q in queries * 3:
-            t0 = time.perf_counter()
-            service.search(q, 5)
-            latencies.append(time.perf_counter() - t0)
-        p50, p99 = percentiles_ms(latencies)
-        rows.append(
-            dict(
-                step="search (service: embed query+FAISS+SQLite)",
-                index="flat",
-                chunks=chunks,
-                value=f"{p50:.1f} / {p99:.1f}",
-                unit="ms p50 / p99",
-            )
-        )
+        step = "search (service: embed query+FAISS+SQLite)"
+        rows.append(latency_row(step, chunks, lambda q: service.search(q, 5), queries, "flat"))
         vectors = np.concatenate(
             [v for _, v in service.catalog.embeddings(None, service.embedder.info.dim)]
         )
@@ -149,21 +149,7 @@ def bench_ingest(args: argparse.Namespace, rows: list[dict]) -> tuple[np.ndarray
             unit="chunks/s",
         )
     )
-    latencies = []
-    for q in queries * 3:
-        t0 = time.perf_counter()
-        embedder.encode([q])
-        latencies.append(time.perf_counter() - t0)
-    p50, p99 = percentiles_ms(latencies)
-    rows.append(
-        dict(
-            step="embed one query",
-            index="-",
-            chunks=1,
-            value=f"{p50:.1f} / {p99:.1f}",
-            unit="ms p50 / p99",
-        )
-    )
+    rows.append(latency_row("embed one query", 1, lambda q: embedder.encode([q]), queries))
     return vectors, embedder
 
 

@@ -10,21 +10,21 @@ import csv
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.load import ModeStats, one_query, percentile  # noqa: E402
 from bench.paths import results_dir  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+from tests.service_process import Service  # noqa: E402
 
 QUESTIONS = (
     "What is the job of Goulpu?",
@@ -48,73 +48,22 @@ FIELDS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Stack:
-    """The processes of one run, each `ragblend SERVICE` on a free loopback port, all stopped at
-    the end."""
+    """The processes of one run, each `ragblend SERVICE` on a free loopback port
+    (tests/service_process.py), all stopped at the end."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.procs: list[subprocess.Popen] = []
+        self.services: list[Service] = []
 
-    def start(
-        self,
-        name: str,
-        *args: str,
-        core: int | None = None,
-        env: dict[str, str] | None = None,
-    ) -> str:
-        port = free_port()
-        command = [sys.executable, "-m", "ragblend", "--log-level", "WARNING", name]
-        command += ["--host", "127.0.0.1", "--port", str(port), *args]
-        pin: Callable[[], None] | None = None
-        if core is not None:
-
-            def pin() -> None:
-                os.sched_setaffinity(0, {core})
-
-        log = (self.folder / f"{name}-{port}.log").open("wb")
-        proc = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-            preexec_fn=pin,
-        )
-        self.procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        wait_ok(f"{url}/health", proc)
-        return url
+    def start(self, name: str, *args: str, core: int | None = None, env=None) -> str:
+        log = self.folder / f"{name}-{len(self.services)}.log"
+        self.services.append(Service(name, list(args), log, env=env or {}, core=core).start())
+        return self.services[-1].url
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.procs.clear()
-
-
-def wait_ok(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"{url}: the process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer 200 in {timeout_s} s")
+        for service in reversed(self.services):
+            service.stop(timeout_s=20)
 
 
 def ingest(gateway: str, folder: Path) -> None:
@@ -163,28 +112,6 @@ async def closed_loop(gateway: str, clients: int, duration_s: float, args) -> di
     }
 
 
-def start_redis(folder: Path) -> int | None:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        return None
-    port = free_port()
-    command = [binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(folder)]
-    subprocess.Popen([*command, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while redis_call(port, b"PING") != b"+PONG" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return port
-
-
-def redis_call(port: int, command: bytes) -> bytes:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-            sock.sendall(command + b"\r\n")
-            return sock.recv(64).strip()
-    except OSError:
-        return b""
-
-
 def first_request_ttft(stack: Stack, retriever: str, engine_args: list[str], env, args) -> float:
     """A fresh engine (empty local tiers) and a gateway over it; the first query's TTFT."""
     engine = stack.start("engine", *engine_args, core=0, env=env)
@@ -222,9 +149,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ragblend-scale-") as scratch:
         folder = Path(scratch)
         stack = Stack(folder)
-        redis_port = start_redis(folder)
-        remote = {"RAGBLEND_ENGINE_REMOTE_URL": f"redis://127.0.0.1:{redis_port}/0"}
-        engine_env = {**ONE_THREAD, **(remote if redis_port else {})}
+        tier = RedisServer(folder / "redis").start() if shutil.which("redis-server") else None
+        remote = {"RAGBLEND_ENGINE_REMOTE_URL": tier.url} if tier else {}
+        engine_env = {**ONE_THREAD, **remote}
         try:
             retriever = stack.start(
                 "retriever", "--data-dir", str(folder / "retriever"), "--tokenizer", model
@@ -262,9 +189,9 @@ def main() -> None:
             shared = httpx.get(f"{engines[0]}/health", timeout=5).json().get("shared_kv") is True
             for case in ("fresh engine, Redis warm", "fresh engine, Redis cold"):
                 row = {"case": case, "engines": 1, "clients": 1}
-                if shared:
+                if shared and tier:
                     if case.endswith("cold"):
-                        redis_call(redis_port, b"FLUSHALL")
+                        redis.Redis.from_url(tier.url).flushall()
                     fresh = ["--model", model, "--store-path", str(folder / f"kv-{case[-4:]}")]
                     ttft_s = first_request_ttft(stack, retriever, fresh, engine_env, args)
                     row.update(requests=1, errors=0, ttft_p50_s=ttft_s)
@@ -274,8 +201,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         finally:
             stack.stop()
-            if redis_port:
-                redis_call(redis_port, b"SHUTDOWN NOSAVE")
+            if tier:
+                tier.stop()
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as out:
         writer = csv.DictWriter(out, fieldnames=FIELDS)

@@ -1,34 +1,26 @@
 """Serving benchmark of the continuous-batching engine: TTFT and TPOT under Poisson load and past
-the sustained rate, batched decode throughput, and decode step time against context length.
+the sustained rate.
 
-One run, one loaded model (random init of a real shape) and one KV store shared by every engine:
-
-1. Serving. Each request is 6 chunks x 512 tokens (or, with `--prompt-chunks`, a seeded draw
-   of chunk counts) from a pool of precomputed chunks (KV in the memory tier) plus a random
-   32-token question, and decodes 32 tokens (ignore_eos). full_prefill and cacheblend
-   (r = 0.15), each with the batching scheduler (max_num_seqs 16) and with max_num_seqs = 1
-   (one sequence at a time). Each mode's unloaded TTFT and TPOT are measured first (requests
-   one at a time); the request rates are fractions of 1 / unloaded TTFT (by default 0.05, 0.1,
-   0.2, 0.3 and 0.5 on the CPU, where batching sustains less than 0.15; 0.3, 0.55, 0.8 and 1.05
-   on CUDA), then the `--overload-factors` times the highest rate each (mode, scheduler)
-   sustains with TTFT p50 <= 2x its unloaded TTFT. Arrivals are bounded by a request count and
-   a time limit; then the point waits until every admitted request has answered, at most a
-   generous cap; those still unanswered are cancelled and count with the TTFT they had reached
-   (a lower bound). Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed, refused
-   (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
-   every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before that
-   point, tokens/s >= the peak of the lower rates up to the 1.2x point's (that point and the
-   peak's rerun in turn, medians; the peak of every lower rate is shown beside it).
-2. Decode throughput: one batched decode step (`engine.runner.decode`) at 1, 4, 16 and 64
-   sequences of ~3.2K context, tokens/s and the ratio to batch 1.
-3. Decode step time at 8K context vs 1K (batch 1 and 16), beside the time of the attention
-   reads alone (through the block table, and over a contiguous slot per sequence as a view)
-   and of the per-token KV concatenation a growing cache would add.
-With `--cuda-graphs N` (CUDA), parts 2 and 3 also time each step replayed from CUDA graphs;
-with `--decode-attention PATH...`, they time each way of reading the KV blocks in turn.
+One run, one loaded model (random init of a real shape) and one KV store shared by every engine.
+Each request is 6 chunks x 512 tokens (or, with `--prompt-chunks`, a seeded draw of chunk counts)
+from a pool of precomputed chunks (KV in the memory tier) plus a random 32-token question, and
+decodes 32 tokens (ignore_eos). full_prefill and cacheblend (r = 0.15), each with the batching
+scheduler (max_num_seqs 16) and with max_num_seqs = 1 (one sequence at a time). Each mode's
+unloaded TTFT and TPOT are measured first (requests one at a time); the request rates are fractions
+of 1 / unloaded TTFT (by default 0.05, 0.1, 0.2, 0.3 and 0.5 on the CPU, where batching sustains
+less than 0.15; 0.3, 0.55, 0.8 and 1.05 on CUDA), then the `--overload-factors` times the highest
+rate each (mode, scheduler) sustains with TTFT p50 <= 2x its unloaded TTFT. Arrivals are bounded by
+a request count and a time limit; then the point waits until every admitted request has answered,
+at most a generous cap; those still unanswered are cancelled and count with the TTFT they had
+reached (a lower bound). Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed,
+refused (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
+every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before that point,
+tokens/s >= the peak of the lower rates up to the 1.2x point's (that point and the peak's rerun in
+turn, medians; the peak of every lower rate is shown beside it). The decode step alone (throughput
+against batch, step time against context): research/serving_decode.py.
 
 CPU default: llama-124m shape in bfloat16; `--device cuda`: mistral-7b shape. Writes
-bench/results/serving-<device>[-decode|-steps|-summary|-timeline].csv,
+bench/results/serving-<device>[-summary|-timeline].csv,
 bench/results/serving-<device>.md and docs/serving-<device>.png (`--quick`: a ~1-2 minute
 smoke run with one overload point, files tagged -quick).
 """
@@ -51,7 +43,6 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from harness import MODEL_HELP, SHAPES, build_store, default_dtype, synchronize, workload_model  # noqa: E402
 from paths import plots_dir, results_dir, shown  # noqa: E402
-from serving_decode import decode_throughput, step_time_vs_context  # noqa: E402
 from serving_load import serving  # noqa: E402
 from serving_report import (  # noqa: E402
     markdown,
@@ -87,12 +78,6 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="no run: rebuild the .md tables and the plot from this device's "
         "CSVs (after merging or editing points by hand)",
-    )
-    parser.add_argument(
-        "--parts",
-        nargs="+",
-        default=["serving", "decode", "steps"],
-        choices=["serving", "decode", "steps"],
     )
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument(
@@ -143,47 +128,11 @@ def parse_args() -> argparse.Namespace:
         "outstanding requests x the unloaded request time)",
     )
     parser.add_argument("--unloaded-requests", type=int)
-    parser.add_argument(
-        "--warm-up",
-        type=int,
-        help="requests sent at once to warm each engine before its unloaded figures "
-        "(default: max_num_seqs on cuda, 0 on the CPU)",
-    )
-    parser.add_argument(
-        "--baseline-requests",
-        type=int,
-        help="requests alone before each point, their median TPOT its baseline (default 3)",
-    )
-    parser.add_argument("--decode-batches", type=int, nargs="+")
-    parser.add_argument(
-        "--cuda-graphs",
-        type=int,
-        default=0,
-        metavar="N",
-        help="decode parts: also replay each step of up to N rows from CUDA graphs (the "
-        "engine's cuda_graph_max_batch), beside the eager step (default 0: eager only)",
-    )
-    parser.add_argument(
-        "--decode-attention",
-        nargs="+",
-        default=["auto"],
-        choices=["auto", "per_row", "batched", "flex"],
-        help="decode parts: how the step reads its KV blocks (the engine's decode_attention), "
-        "each path measured in turn (default: auto, the device's)",
-    )
-    parser.add_argument("--decode-repeats", type=int)
-    parser.add_argument("--step-batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--short-context", type=int)
-    parser.add_argument("--long-context", type=int)
     args = parser.parse_args()
     if args.device == "cuda" and not cuda and not args.from_csv:
         parser.error("--device cuda but torch sees no GPU")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
         parser.error("--max-num-batched-tokens must be at least 1")
-    if args.cuda_graphs < 0 or (args.warm_up is not None and args.warm_up < 0):
-        parser.error("--cuda-graphs and --warm-up must be at least 0")
-    if args.cuda_graphs and args.device != "cuda":
-        parser.error("--cuda-graphs needs --device cuda")
     on_cuda = args.device == "cuda"
     args.shape = args.shape or ("mistral-7b" if on_cuda else "llama-124m")
     defaults = dict(
@@ -192,13 +141,12 @@ def parse_args() -> argparse.Namespace:
         requests=100 if on_cuda else 16,
         time_limit_s=30.0 if on_cuda else 50.0,
         unloaded_requests=5 if on_cuda else 3,
+        # Requests sent at once to warm each engine before its unloaded figures (on a GPU the
+        # first run of each shape pays for allocations), and requests alone before each point,
+        # their median TPOT its baseline.
         warm_up=args.max_num_seqs if on_cuda else 0,
         baseline_requests=3,
         throughput_rounds=2,
-        decode_batches=[1, 4, 16, 64],
-        decode_repeats=10 if on_cuda else 5,
-        short_context=1024,
-        long_context=8191,
     )
     if args.quick:
         args.chunk_tokens = 64
@@ -212,23 +160,16 @@ def parse_args() -> argparse.Namespace:
             warm_up=min(2, args.max_num_seqs),
             baseline_requests=1,
             throughput_rounds=1,
-            decode_batches=[1, 4],
-            decode_repeats=1,
-            short_context=256,
-            long_context=1023,
         )
         args.output_tokens = min(args.output_tokens, 8)
     for name, value in defaults.items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
     most = max(args.prompt_chunks or [args.chunks])
     if min(args.prompt_chunks or [args.chunks]) < 1 or most > args.pool_chunks:
         parser.error(f"chunk counts must be 1..--pool-chunks ({args.pool_chunks})")
-    prompt = args.chunks * args.chunk_tokens + args.question_tokens
-    args.decode_context = prompt + 64  # about a request's context: prompt, template, output
     longest = most * args.chunk_tokens + args.question_tokens
     args.serving_model_len = 1 << math.ceil(math.log2(longest + args.output_tokens + 128))
-    args.decode_model_len = args.serving_model_len
     return args
 
 
@@ -247,16 +188,8 @@ def main() -> None:
     store = build_store(loaded)
     threads = torch.get_num_threads()
     notes: list[str] = []
-    points, summary, timelines, decode, steps = [], [], [], [], []
-    if "serving" in args.parts:
-        print("serving under Poisson load", flush=True)
-        points, summary, timelines = serving(loaded, store, args, notes)
-    if "decode" in args.parts:
-        print("decode throughput", flush=True)
-        decode = decode_throughput(loaded, store, args, notes)
-    if "steps" in args.parts:
-        print("decode step time vs context", flush=True)
-        steps = step_time_vs_context(loaded, store, args)
+    print("serving under Poisson load", flush=True)
+    points, summary, timelines = serving(loaded, store, args, notes)
     synchronize(loaded.device)
     elapsed = time.perf_counter() - started
     device_name = (
@@ -287,7 +220,7 @@ def main() -> None:
         f"- batching: max_num_seqs {args.max_num_seqs}; one-at-a-time: max_num_seqs 1; "
         f"max_waiting {args.max_waiting}; cacheblend r = {args.ratio}.",
     ]
-    report = markdown(points, summary, decode, steps, header)
+    report = markdown(points, summary, header)
     print()
     print(report)
     results = results_dir()
@@ -295,8 +228,6 @@ def main() -> None:
     write_csv(results / f"serving-{tag}.csv", [point_row(p) for p in points], extra)
     write_csv(results / f"serving-{tag}-summary.csv", summary, extra)
     write_csv(results / f"serving-{tag}-timeline.csv", timelines, extra)
-    write_csv(results / f"serving-{tag}-decode.csv", decode, extra)
-    write_csv(results / f"serving-{tag}-steps.csv", steps, extra)
     md = results / f"serving-{tag}.md"
     md.write_text(report)
     print(f"wrote {shown(md)}")

@@ -20,7 +20,7 @@ from engine.types import Mode
 
 
 def warm_up(engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace) -> None:
-    """`--warm-up` requests sent at once, so that the steps of a batch (decodes of many rows,
+    """`args.warm_up` requests sent at once, so that the steps of a batch (decodes of many rows,
     prefills side by side and in pieces) have run before anything is timed: on a GPU the first
     run of each shape pays for allocations and kernel plans."""
     request = request_for(mode, args)
@@ -73,7 +73,7 @@ def measure_unloaded(
 def baseline_tpot(
     engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace
 ) -> float:
-    """The median TPOT of `--baseline-requests` requests alone on a warm engine, measured right
+    """The median TPOT of `args.baseline_requests` requests alone on a warm engine, measured right
     before a point: the machine's speed drifts over a run, and the point's figures are read
     against it."""
     tpots = []

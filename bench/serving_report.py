@@ -32,8 +32,6 @@ def point_row(p: Point) -> dict:
 def markdown(
     points: list[Point],
     summary: list[dict],
-    decode: list[dict],
-    steps: list[dict],
     header: list[str],
 ) -> str:
     out = [*header, ""]
@@ -87,59 +85,7 @@ def markdown(
         if any(not math.isnan(p.overload_factor) for p in points):
             out += ["", OVERLOAD_NOTE]
         out += target_table([r for s in summary if (r := target_row(points, s)) is not None])
-    if decode:
-        out += [
-            "",
-            f"### Decode throughput, context {decode[0]['context']} tokens",
-            "",
-            "| step | concurrent sequences | step (ms) | tokens/s | vs batch 1 |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for r in decode:
-            out.append(
-                f"| {r.get('step', 'eager')} | {r['batch']} | {r['step_s'] * 1e3:.2f} "
-                f"| {r['tokens_per_s']:.1f} | {r['vs_batch_1']:.2f}x |"
-            )
-    if steps:
-        graphs = "graphs_step_s" in steps[0]
-        out += [
-            "",
-            "### Decode step time vs context",
-            "",
-            "| KV reads | batch | context | step (ms) | "
-            + ("step from CUDA graphs (ms) | " if graphs else "")
-            + "attention reads (ms) | slot view reads (ms) | step - attention (ms) "
-            "| KV read (MiB) | a per-token KV concat would add (ms) |",
-            "|---|---:|---:|---:|" + ("---:|" if graphs else "") + "---:|---:|---:|---:|---:|",
-        ]
-        for r in steps:
-            out.append(
-                f"| {_reads(r)} | {r['batch']} | {r['context']} | {r['step_s'] * 1e3:.2f} "
-                + (f"| {r['graphs_step_s'] * 1e3:.2f} " if graphs else "")
-                + f"| {r['attention_s'] * 1e3:.2f} "
-                f"| {r.get('slot_view_attention_s', math.nan) * 1e3:.2f} "
-                f"| {r['step_minus_attention_s'] * 1e3:.2f} "
-                f"| {r['kv_bytes_read'] / 2**20:.1f} | {r['kv_concat_s'] * 1e3:.2f} |"
-            )
-        out.append("")
-        for reads, batch in sorted({(_reads(r), r["batch"]) for r in steps}):
-            short, long = [r for r in steps if (_reads(r), r["batch"]) == (reads, batch)]
-            out.append(
-                f"- {reads}, batch {batch}: step {long['context']}/{short['context']} = "
-                f"{long['step_s'] / short['step_s']:.2f}x; step grew "
-                f"{(long['step_s'] - short['step_s']) * 1e3:.2f} ms, attention reads grew "
-                f"{(long['attention_s'] - short['attention_s']) * 1e3:.2f} ms, the rest "
-                f"(projections, MLP, LM head, mask) changed "
-                f"{(long['step_minus_attention_s'] - short['step_minus_attention_s']) * 1e3:+.2f}"
-                f" ms; a per-token concat of the {long['context']}-token KV would add "
-                f"{long['kv_concat_s'] * 1e3:.2f} ms."
-            )
     return "\n".join(out) + "\n"
-
-
-def _reads(step_row: dict) -> str:
-    """How a step row's decode read its KV blocks (rows of older CSVs: the device's way)."""
-    return step_row.get("attention_path") or "auto"
 
 
 def plot(points: list[Point], summary: list[dict], path: Path, title: str) -> None:
@@ -252,13 +198,9 @@ def rebuild_from_csv(tag: str) -> None:
             p.rate,
         )
     )
-    decode, steps = (
-        [_values(r, drop) for r in _read_csv(results / f"serving-{tag}-{part}.csv")]
-        for part in ("decode", "steps")
-    )
     md = results / f"serving-{tag}.md"
     header = md.read_text().split("\n### ")[0].rstrip("\n").split("\n") if md.exists() else []
-    md.write_text(markdown(points, summary, decode, steps, header))
+    md.write_text(markdown(points, summary, header))
     print(f"wrote {shown(md)}")
     write_csv(results / f"serving-{tag}-summary.csv", summary, extra)
     if points:

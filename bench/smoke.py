@@ -1,6 +1,6 @@
-"""Smoke run of the engine and serving benchmarks (bench/) and the experiments (research/): each
-script in a subprocess with the smallest arguments that still take its whole code path on the CPU,
-its files written to a scratch folder.
+"""Smoke run of the product benchmarks (bench/): each script in a subprocess with the smallest
+arguments that still take its whole code path on the CPU, its files written to a scratch folder.
+research/smoke.py runs the experiments' cases the same way.
 
     .venv/bin/python bench/smoke.py                        # every case below, ~3 min on 2 cores
     .venv/bin/python bench/smoke.py serving kv_pipeline    # those cases only
@@ -8,24 +8,19 @@ its files written to a scratch folder.
 A case passes when each of its runs exits 0 and its folder (RAGBLEND_BENCH_OUT, bench/paths.py)
 then holds a CSV with at least one row, and fails when a file in bench/results/ or a plot in
 docs/ changed while it ran. Prints a table (bench, seconds, status) and the stderr tail of every
-failed case, and exits 1 naming them. `make bench-smoke` runs it; CI, after `make test`.
+failed case, and exits 1 naming them. `make bench-smoke` runs it (then research/smoke.py); CI,
+after `make test`.
 
 Covered beyond each script's own code: layer_profile.py (engine_ttft --profile), harness.py,
-and serving.py's modules (serving_decode, _load, _overload, _point, _report, _workload; the
-report once more from the CSVs, --from-csv). quality.py and retrieval_quality.py run on the demo
-model, with the retriever's MiniLM over the few questions' documents.
+and serving.py's modules (serving_load, _overload, _point, _report, _workload; the report once
+more from the CSVs, --from-csv), quality_real_report.py (quality_real.py on the
+packaged SmolLM2, and --from-csv).
 
 Not covered:
-- chaos.py, chaos_cluster.py: engines, a gateway and redis-server as processes, killed for a
-  minute at least (tests/chaos/test_chaos_soak.py runs a short soak).
 - scale.py: engines, a gateway and Redis as processes, 20 s of load per engine count.
 - load.py: a load generator against a running stack (`--url`).
-- retriever_memory.py: a retriever process under rounds of 100K-character ingests.
-- quality_real.py, generation_defaults.py: a real checkpoint (SmolLM2, converted from its GGUF
-  file on first use; generation_defaults's 4096 positions exceed the demo model's 1024) and
-  minutes of CPU per run.
-- retriever_bench.py, ann.py: the retriever's, not the engine's; MiniLM embeds hundreds of texts
-  before anything is measured (at their smallest on 2 busy cores: ~65 s and ~30 s).
+- retriever_bench.py: the retriever's, not the engine's; MiniLM embeds hundreds of texts before
+  anything is measured (~65 s at its smallest on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -49,9 +44,12 @@ STDERR_TAIL_LINES = 30
 
 MODEL = "--device cpu --shape llama-124m"
 SERVING = (
-    f"{MODEL} --quick --chunks 2 --requests 2 --time-limit-s 1 --output-tokens 4 "
-    "--max-num-seqs 4 --decode-batches 1 2 --step-batches 1 2 --short-context 64 "
-    "--long-context 255 --decode-attention auto flex"
+    f"{MODEL} --quick --chunks 2 --requests 2 --time-limit-s 1 --output-tokens 4 --max-num-seqs 4"
+)
+
+QUALITY = (
+    "--prompts 1 --chunk-tokens 32 --chunks-per-prompt 2 --answer-tokens 2 --ratios 0.15 "
+    "--check-layers 1 --curves 1 --selections hkvd random --coverages 0.9 --threads 1"
 )
 
 
@@ -62,7 +60,7 @@ class Case:
 
     name: str
     runs: tuple[str, ...]
-    folder: str = "bench"  # or research/: an experiment whose answer became a default
+    folder: str = "bench"  # or research: an experiment whose answer became a default
 
     @property
     def script(self) -> str:
@@ -83,12 +81,6 @@ class Outcome:
 
 
 CASES = (
-    Case("cache_churn", ("--quick",), "research"),
-    Case(
-        "kv_codec",
-        ("--layers 2 --kv-heads 2 --tokens 64 --head-dim 64 --chunks 2 --repeats 1",),
-        "research",
-    ),
     Case(
         "engine_ttft",
         (
@@ -105,53 +97,9 @@ CASES = (
         "kv_pipeline",
         (f"{MODEL} --chunks 2 --chunk-tokens 64 --question-tokens 8 --repeats 1",),
     ),
-    # 3 prompts of ~150 tokens under a 320-token batch: one group of two, one alone.
-    Case(
-        "prefill_batch",
-        (f"{MODEL} --arrivals 3 --chunks 1 --chunk-tokens 64 --batch-tokens 320 --repeats 1",),
-        "research",
-    ),
-    Case(
-        "prefill_pieces",
-        (f"{MODEL} --chunks 2 --chunk-tokens 64 --budgets 64 --rounds 1",),
-        "research",
-    ),
-    Case(
-        "decode_fused",
-        (f"{MODEL} --chunks 2 --chunk-tokens 64 --decodes 2 --budget 64 --context 64 --rounds 1",),
-        "research",
-    ),
-    Case(
-        "step_budget",
-        (
-            f"{MODEL} --budgets 64 --requests 2 --gap-s 0.05 --chunks 2 --chunk-tokens 64 "
-            "--output-tokens 4",
-        ),
-        "research",
-    ),
-    # Contexts on both sides of the 128-token prefix: the shared-prefix decode skips shorter.
-    Case(
-        "paged_capacity",
-        (
-            "--shape llama-124m --slots 2 --max-tokens 32 --trials 1 --batches 1 2 "
-            "--contexts 64 200 --repeats 1 --prefix 128",
-        ),
-        "research",
-    ),
     Case("serving", (SERVING, f"{SERVING} --from-csv")),
-    # The packaged SmolLM2 (converted on first use); llguidance alone without xgrammar.
-    Case("structured_output", ("--repeats 1",)),
-    # Three questions: one of each kind. Each of the script's modes is a run of its own.
-    Case(
-        "quality",
-        (
-            "--questions 3",
-            "--questions 3 --baselines",
-            "--questions 3 --kv-encodings none int8",
-        ),
-        "research",
-    ),
-    Case("retrieval_quality", ("--questions 3 --collection-size 3",), "research"),
+    # The packaged SmolLM2 on one short prompt: HKVD and random at one ratio and one coverage.
+    Case("quality_real", (QUALITY, f"{QUALITY} --from-csv")),
 )
 
 
@@ -218,9 +166,9 @@ def run_case(case: Case, folder: Path) -> Outcome:
     return Outcome(case.name, seconds, "ok")
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    known = [case.name for case in CASES]
+def parse_args(cases: tuple[Case, ...], doc: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    known = [case.name for case in cases]
     parser.add_argument("names", nargs="*", help=f"cases to run (default: all): {', '.join(known)}")
     args = parser.parse_args()
     # Not argparse's choices: with nargs="*" they refuse the empty default.
@@ -229,12 +177,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> int:
-    args = parse_args()
-    cases = [case for case in CASES if not args.names or case.name in args.names]
+def main(known: tuple[Case, ...], doc: str) -> int:
+    """Runs the cases of `known` that the command line names (all without names)."""
+    args = parse_args(known, doc)
+    cases = [case for case in known if not args.names or case.name in args.names]
     started = time.perf_counter()
     outcomes = []
-    width = max(len(case.name) for case in CASES) + 2
+    width = max(len(case.name) for case in known) + 2
     with tempfile.TemporaryDirectory(prefix="ragblend-bench-smoke-") as scratch:
         print(f"{'bench':<{width}}{'seconds':>9}  status", flush=True)
         for case in cases:
@@ -254,4 +203,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(CASES, __doc__))

@@ -38,9 +38,9 @@ step engine-ttft 60 $PY bench/engine_ttft.py --device cuda --profile --ratios 0.
 step served-ttft 90 $PY bench/served_ttft.py --device cuda --repeats 3
 step tests 120 $PY -m pytest -q -p no:cacheprovider tests/kvstore -k cuda tests/engine/runner/test_decode_step.py \
     tests/engine/blend/test_prompt_kv.py
-step decode-flex 180 $PY bench/serving.py --device cuda --parts decode steps \
+step decode-flex 180 $PY research/serving_decode.py --device cuda \
     --decode-attention batched flex --cuda-graphs 64 --tag flex
-step ttft-split 120 $PY bench/serving.py --device cuda --parts serving --schedulers batching \
+step ttft-split 120 $PY bench/serving.py --device cuda --schedulers batching \
     --modes cacheblend full_prefill --rate-fractions 0.5 --overload-factors --time-limit-s 3 \
     --requests 12 --tag split
 step kv-pipeline 90 $PY bench/kv_pipeline.py --device cuda

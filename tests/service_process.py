@@ -79,13 +79,15 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> bool:
 
 @dataclass
 class Service:
-    """`python -m ragblend NAME --host 127.0.0.1 --port PORT ARGS...`; `env` adds variables."""
+    """`python -m ragblend NAME --host 127.0.0.1 --port PORT ARGS...`; `env` adds variables;
+    `core` pins the process to that CPU core from its start (bench/scale.py's engines)."""
 
     name: str
     args: list[str]
     log_path: Path
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
+    core: int | None = None
     proc: subprocess.Popen | None = None
 
     @property
@@ -118,6 +120,7 @@ class Service:
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=service_env(**self.env),
+                preexec_fn=None if self.core is None else self._pin,
             )
         if wait_ready(self.proc, f"{self.url}{ready_path}", STARTUP_TIMEOUT_S):
             return self
@@ -125,6 +128,9 @@ class Service:
         self.stop(signal.SIGKILL)
         what = "did not become ready" if code is None else f"exited with {code}"
         pytest.fail(f"{self.name} {what}:\n{self.log()[-4000:]}")
+
+    def _pin(self) -> None:
+        os.sched_setaffinity(0, {self.core})
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int | None:
         """Send `sig` and wait for the end (SIGKILL after `timeout_s`); the exit code."""

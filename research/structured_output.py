@@ -18,16 +18,12 @@ import argparse
 import csv
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+import _on_path  # noqa: F401  (the checkout, for tests/real_model.py's SmolLM2)
 import torch
-
-# The checkout, for tests/real_model.py's packaged SmolLM2 (as bench/quality_real.py).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.paths import results_dir, shown  # noqa: E402
 from engine.grammar.mask import apply_bitmask, bitmask_words  # noqa: E402
