@@ -8,8 +8,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # The product benchmarks and their harness, all together and one file at a time.
@@ -81,10 +79,6 @@ def test_every_bench_script_is_run_by_a_documented_command_or_imported_by_one():
     assert orphans == [], "no command in the Makefile or docs runs these (move them to research/)"
 
 
-# docs/engine.md is being rewritten on another branch: it still names the moved script.
-@pytest.mark.xfail(
-    strict=True, reason="docs/engine.md names bench/structured_output.py, now in research/"
-)
 def test_every_bench_script_a_command_names_exists():
     missing = sorted(str(path.relative_to(ROOT)) for path in named_by_commands() - bench_scripts())
     assert missing == [], "the docs or the Makefile name bench scripts that do not exist"
