@@ -61,7 +61,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine_ttft.py
 
 # Each benchmark, then each experiment (research/), at its smallest, into a temporary folder
-# (~10 min on 2 cores).
+# (~7 min on 2 cores).
 bench-smoke: $(STAMP)
 	$(BIN)/python bench/smoke.py
 	$(BIN)/python research/smoke.py
