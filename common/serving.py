@@ -68,6 +68,8 @@ def _argument_type(annotation: Any) -> dict[str, Any]:
     if get_origin(annotation) is list:
         (item,) = get_args(annotation)
         return {"type": _comma_separated(item), "metavar": "A,B,..."}
+    if annotation is bool:  # --flag-name / --no-flag-name
+        return {"action": argparse.BooleanOptionalAction}
     if annotation in _SCALARS:
         return {"type": annotation}
     raise TypeError(f"no CLI flag for a setting of type {annotation!r}")

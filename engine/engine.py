@@ -20,6 +20,7 @@ from engine.chunks import ChunkPrecompute
 from engine.errors import GenerationCancelled
 from engine.grammar.batch import GrammarMasks
 from engine.grammar.compile import CompiledGrammar, GrammarCompiler
+from engine.model.cpu_linear import prepack_linears
 from engine.model.eos import eos_token_ids
 from engine.model.layers import LayerOps
 from engine.model.load import LoadedModel, load_model
@@ -50,6 +51,8 @@ class Engine:
         # A request's sampling field left out: the engine's setting, else the model's own.
         self.defaults = opts.generation_defaults.over(loaded.generation_defaults)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        if opts.cpu_prepacked_linear:
+            prepack_linears(self.model)
         self.ops = LayerOps(self.model)
         system = {"default_system": opts.system_prompt} if opts.system_prompt else {}
         self.prompts = PromptBuilder(self.tokenizer, **system)

@@ -68,9 +68,9 @@ def _row(action: argparse.Action) -> str:
     meaning, default = _split_default(action.help or "")
     if default is None:
         default = _parser_default(action)
-    name = ", ".join(action.option_strings) or _value(action)
+    names = ", ".join(map(_code, action.option_strings)) or _code(_value(action))
     value = _value(action) if action.option_strings and action.nargs != 0 else ""
-    return f"| {_code(name)} | {_code(value)} | {_cell(default)} | {_cell(meaning)} |"
+    return f"| {names} | {_code(value)} | {_cell(default)} | {_cell(meaning)} |"
 
 
 def _split_default(text: str) -> tuple[str, str | None]:

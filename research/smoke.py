@@ -26,6 +26,7 @@ from bench.smoke import MODEL, Case, main
 
 CASES = (
     Case("cache_churn", ("--quick",), "research"),
+    Case("cpu_linear", ("--quick",), "research"),
     Case(
         "kv_codec",
         ("--layers 2 --kv-heads 2 --tokens 64 --head-dim 64 --chunks 2 --repeats 1",),

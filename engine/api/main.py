@@ -86,6 +86,7 @@ def build_engine(settings: EngineSettings) -> Engine:
         prefill_batch_tokens=settings.prefill_batch_tokens,
         cuda_graph_max_batch=settings.cuda_graph_max_batch,
         decode_attention=settings.decode_attention,
+        cpu_prepacked_linear=settings.cpu_prepacked_linear,
         generation_defaults=settings.generation_defaults,
         shadow=ShadowConfig(
             fraction=settings.shadow_fraction,

@@ -151,6 +151,11 @@ class EngineSettings(BaseSettings):
         "batched (gathered; the GPU's), flex (flex_attention over the blocks in place; "
         "compiled on a GPU, not yet measured there) or auto: the device's",
     )
+    cpu_prepacked_linear: bool = Field(
+        True,
+        description="float32 on the CPU: each linear layer's weight reordered once for oneDNN, "
+        "so a decode batch reads it once (a second copy of those weights in memory)",
+    )
     recompute_ratio: RecomputeRatio | None = Field(
         None,
         description="fixed ratio of requests that set none, or auto: the check layer keeps the "
