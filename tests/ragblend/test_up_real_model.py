@@ -38,7 +38,9 @@ def test_up_by_default_serves_smollm2_and_answers_the_banner_question(smollm2_di
     ports = {name: free_port() for name in ("gateway", "retriever", "engine")}
     command = [sys.executable, "-m", "ragblend", "up", "--data-dir", str(data)]
     command += [arg for name, port in ports.items() for arg in (f"--{name}-port", str(port))]
-    env = service_env(RAGBLEND_GATEWAY_TTFT_TIMEOUT_S="300")
+    # The pool's default, a quarter of the RAM available when the engine starts, is whatever
+    # the test running beside this one left (once 0.14 GiB: no 8192-position sequence fit).
+    env = service_env(RAGBLEND_GATEWAY_TTFT_TIMEOUT_S="300", RAGBLEND_ENGINE_KV_POOL_GB="1")
     env.pop("RAGBLEND_ENGINE_MODEL", None)
     env.pop("RAGBLEND_ENGINE_DTYPE", None)
     log_path = tmp_path / "up.log"
