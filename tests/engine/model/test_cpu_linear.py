@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.engine import Engine
 from engine.model.cpu_linear import PrepackedLinear, available, prepack_linears
 from engine.model.load import load_model
+from engine.types import GenerateRequest, Mode
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="a torch built without oneDNN"
@@ -55,3 +57,19 @@ def test_bfloat16_weights_are_left_as_they_are():
     linear = torch.nn.Linear(8, 8).to(torch.bfloat16)
     assert not available(linear)
     assert prepack_linears(linear) == 0 and type(linear) is torch.nn.Linear
+
+
+def test_an_engine_asked_to_prepacks_its_linears_and_prefills_as_one_that_is_not(
+    checkpoint_dir, make_chunks
+):
+    request = GenerateRequest(question="what is it?", chunks=make_chunks(2), mode=Mode.FULL_PREFILL)
+    logits = []
+    for prepacked in (False, True):
+        engine = Engine.from_pretrained(checkpoint_dir("llama"), cpu_prepacked_linear=prepacked)
+        try:
+            linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+            assert all(isinstance(m, PrepackedLinear) == prepacked for m in linears)
+            logits.append(engine.prefill(request).output.logits)
+        finally:
+            engine.close()
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
