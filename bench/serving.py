@@ -67,12 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--modes", nargs="+", default=[m.value for m in MODES], choices=[m.value for m in MODES]
     )
-    parser.add_argument(
-        "--schedulers",
-        nargs="+",
-        default=["batching", "one-at-a-time"],
-        choices=["batching", "one-at-a-time"],
-    )
+    schedulers = ["batching", "one-at-a-time"]
+    parser.add_argument("--schedulers", nargs="+", default=schedulers, choices=schedulers)
     parser.add_argument(
         "--from-csv",
         action="store_true",
@@ -99,6 +95,8 @@ def parse_args() -> argparse.Namespace:
         type=int,
         help="the engine's token budget per step (default: the engine's, by device)",
     )
+    on_off = argparse.BooleanOptionalAction
+    parser.add_argument("--cpu-prepacked-linear", action=on_off, help="default: the engine's")
     parser.add_argument(
         "--rate-fractions",
         type=float,

@@ -161,6 +161,8 @@ def engine_options(args: argparse.Namespace, max_num_seqs: int) -> dict:
         max_waiting=args.max_waiting,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    if args.cpu_prepacked_linear is not None:  # None: the engine's default
+        options["cpu_prepacked_linear"] = args.cpu_prepacked_linear
     return options
 
 

@@ -23,8 +23,8 @@ class EngineOptions:
     (precompute, write-back) wait; past that a precompute raises BackgroundQueueFullError and a
     write-back is dropped. A step feeds the model at most `max_num_batched_tokens`
     tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
-    (default: measured at start, engine/calibrate.py). `shadow` samples blended requests for
-    shadow checks (engine/shadow.py).
+    (default: measured at start, engine/sched/calibrate.py). `shadow` samples blended requests for
+    shadow checks (engine/quality/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best
     measured at equal TTFT (docs/quality.md), `hkvd` where one check layer is all there is.
@@ -48,12 +48,12 @@ class EngineOptions:
     max_model_len: int | None = None
     kv_pool_bytes: int | None = None
     max_prefill_tokens: int = 8192
-    max_num_batched_tokens: int | None = None  # None: measured at start (engine/calibrate.py)
+    max_num_batched_tokens: int | None = None  # None: measured at start (engine/sched/calibrate.py)
     prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
     cuda_graph_max_batch: int = 0  # decode steps of up to this many rows from CUDA graphs; 0: eager
     decode_attention: DecodeAttention = "auto"  # how decode reads the KV blocks (docs/engine.md)
     # float32 on the CPU: linear weights reordered once for oneDNN (engine/model/cpu_linear.py)
-    cpu_prepacked_linear: bool = False  # off until bench/serving.py shows it pays under load
+    cpu_prepacked_linear: bool = True  # float32 on the CPU only; other models ignore it
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers

@@ -1,5 +1,5 @@
 """Several prefills in one forward: 8 prompts arriving at once, prefilled side by side (their
-projections and MLPs batched per layer, engine/dense.py) against one after another, all 8 in
+projections and MLPs batched per layer, engine/blend/dense.py) against one after another, all 8 in
 one batch and grouped as the engine groups them (`prefill_batch_tokens`).
 
     .venv/bin/python research/prefill_batch.py                  # CPU, llama-124m bf16, ~3 min

@@ -349,7 +349,7 @@ class _LiveState:
 
     @staticmethod
     def _shadow(engine):
-        """The shadow checks' counts, kept by the engine (engine/shadow.py)."""
+        """The shadow checks' counts, kept by the engine (engine/quality/shadow.py)."""
         stats = engine.shadow.stats
         eligible = CounterMetricFamily(
             "ragblend_engine_shadow_eligible",

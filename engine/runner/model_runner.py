@@ -134,7 +134,7 @@ class ModelRunner:
         self.bucketed = False
         self.max_width = -(-max_model_len // block_size)
         vocab_size = ops.model.lm_head.weight.shape[0]  # the width of the logits
-        # One row per lane: the small id each running sequence holds (engine/scheduler.py).
+        # One row per lane: the small id each running sequence holds (engine/sched/scheduler.py).
         self.penalties = PenaltyState(num_lanes, vocab_size, ops.device)
 
     @classmethod
@@ -252,7 +252,7 @@ class ModelRunner:
         self, tables: list[list[int]], positions: list[int], token_ids: list[int]
     ) -> Pausable[torch.Tensor]:
         """`decode` as a pausable that hands out its dense work: the executor runs it with the
-        step's prefills, its rows in their projections and MLPs (engine/dense.py)."""
+        step's prefills, its rows in their projections and MLPs (engine/blend/dense.py)."""
         step = self.step(tables, positions, token_ids)
         return self.layers(step, self.reads_of(step, tables, positions))
 

@@ -1,6 +1,6 @@
 """Sampling penalties (engine.types.Penalties) applied to a batch of logits at once, from
 per-lane token counts kept up to date token by token (a lane: the small id of a running
-sequence, engine/scheduler.py)."""
+sequence, engine/sched/scheduler.py)."""
 
 from __future__ import annotations
 

@@ -229,7 +229,7 @@ class Executor:
         self._decoded(seqs, logits)
 
     def _decode_steps(self, seqs: list[Job]) -> Pausable[torch.Tensor]:
-        """`decode` as a pausable whose dense work joins the prefills' (engine/dense.py)."""
+        """`decode` as a pausable whose dense work joins the prefills' (engine/blend/dense.py)."""
         return self.runner.decode_steps(
             [s.block_table for s in seqs],
             [s.num_cached for s in seqs],
