@@ -351,12 +351,12 @@ def test_concurrent_streams_interleave_token_by_token(batching_service):
 @pytest.fixture(scope="module")
 def auto_service(checkpoint, tmp_path_factory):
     """An engine whose settings pick the blend of requests that leave it unset: auto ratios
-    covering 0.9 of the score mass, at most 0.2, over sink tokens."""
+    covering all of the score mass, at most 0.2, over sink tokens."""
     tmp = tmp_path_factory.mktemp("engine-auto")
     blend = {
         "--recompute-ratio": "auto",
         "--selection": "sink",
-        "--auto-coverage": "0.9",
+        "--auto-coverage": "1.0",
         "--auto-max-ratio": "0.2",
     }
     args = ["--model", checkpoint, "--store-path", str(tmp / "kv")]
@@ -386,10 +386,10 @@ def test_the_engine_settings_pick_the_blend_a_request_leaves_unset(auto_service)
     )
 
 
-def test_auto_coverage_sets_how_much_an_auto_ratio_recomputes(service, auto_service):
+def test_auto_coverage_sets_how_much_an_auto_ratio_recomputes(auto_service):
     auto = {"recompute_ratio": AUTO_RATIO, "max_recompute_ratio": 1.0, "selection": "hkvd"}
-    # The same prompt: covering 0.9 of the deviation takes more tokens than covering 0.5.
-    assert (
-        blend_of(auto_service, **auto)["recompute_ratio"]
-        > blend_of(service, **auto)["recompute_ratio"]
-    )
+    # Covering all of the deviation takes every blended token (the default, 0.8, takes fewer:
+    # tests/engine/blend/test_blend_selections.py). Not compared with another engine's: the
+    # controller's floor and check layers come from what each engine has timed.
+    blend = blend_of(auto_service, **auto)
+    assert (blend["chosen_by"], blend["recompute_ratio"]) == ("auto", pytest.approx(1.0))
