@@ -52,9 +52,9 @@ class EngineOptions:
     prefill_batch_tokens: int | None = None  # None: prefill_batch_default() of the device
     cuda_graph_max_batch: int = 0  # decode steps of up to this many rows from CUDA graphs; 0: eager
     decode_attention: DecodeAttention = "auto"  # how decode reads the KV blocks (docs/engine.md)
-    # float32 on the CPU: linear weights reordered once for oneDNN (engine/model/cpu_linear.py);
-    # off by default, as it doubles their memory (docs/benchmarks/serving.md#decode-throughput)
-    cpu_prepacked_linear: bool = False
+    # float32 on the CPU: linear weights reordered once for oneDNN (engine/model/cpu_linear.py),
+    # a second copy of them in memory (docs/benchmarks/serving.md#decode-throughput)
+    cpu_prepacked_linear: bool = True
     kv_read_delay_s: float = 0.0
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     selection: Selection | None = None  # None: default_selection() of the check layers

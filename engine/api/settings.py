@@ -152,7 +152,7 @@ class EngineSettings(BaseSettings):
         "compiled on a GPU, not yet measured there) or auto: the device's",
     )
     cpu_prepacked_linear: bool = Field(
-        False,
+        True,
         description="float32 on the CPU: each linear layer's weight reordered once for oneDNN, "
         "so a decode batch reads it once (a second copy of those weights in memory)",
     )

@@ -4,7 +4,10 @@ all running sequences that reads each one's blocks through its block table (engi
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import warnings
 from typing import cast, get_args
 
 import torch
@@ -90,6 +93,18 @@ def _default_pool_bytes(device: torch.device) -> int:
     return available_ram_bytes() // 4
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lies on fresh anonymous pages, which the kernel zeroes as
+    they are first written: the pool takes RAM as its blocks come into use (lowest ids first,
+    engine/sched/blocks.py), where torch.zeros would write all of it at start."""
+    if device.type != "cpu" or not math.prod(shape):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    with warnings.catch_warnings():  # frombuffer warns of non-writable buffers; this one is
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
 class ModelRunner:
     """The KV pool as blocks of `block_size` positions and a batched decode that reads each
     sequence's blocks through its block table (a list of block ids, in position order).
@@ -114,9 +129,9 @@ class ModelRunner:
         # Zeros, not empty: a padded row multiplies masked-out values by exactly 0, and 0 * NaN
         # from uninitialised memory would poison it.
         try:
-            self.keys = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
-            self.values = torch.zeros(pool_shape, dtype=ops.dtype, device=ops.device)
-        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            self.keys = zeroed_pool(pool_shape, ops.dtype, ops.device)
+            self.values = zeroed_pool(pool_shape, ops.dtype, ops.device)
+        except (RuntimeError, OSError) as exc:  # torch.OutOfMemoryError is one
             size = pool_bytes(ops, blocks * block_size) / 2**30
             raise ValueError(
                 f"the KV pool of {num_blocks} blocks x {block_size} positions ({size:.2f} GiB) "
