@@ -5,6 +5,7 @@ a few ingested documents whose chunks are precomputed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,23 +19,46 @@ CHUNK_TOKENS = "48"
 Spawn = Callable[..., Service]
 
 
-@pytest.fixture(scope="session")
-def services(tmp_path_factory) -> Iterator[Spawn]:
-    """spawn(name, *args, port=None, env=None): a started service; all stopped at the end."""
-    started: list[Service] = []
-    logs = tmp_path_factory.mktemp("service-logs")
+class Services:
+    """Starts services (`services(name, *args, port=None, env=None)`) and keeps them, in start
+    order, to stop."""
 
-    def spawn(
-        name: str, *args: str, port: int | None = None, env: dict[str, str] | None = None
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.started: list[Service] = []
+
+    def __call__(
+        self, name: str, *args: str, port: int | None = None, env: dict[str, str] | None = None
     ) -> Service:
         port = port or free_port()
-        service = Service(name, list(args), logs / f"{name}-{port}.log", port, env=env or {})
-        started.append(service)
+        log = self.logs / f"{name}-{port}.log"
+        service = Service(name, list(args), log, port, env=env or {})
+        self.started.append(service)
         return service.start()
 
+    def stop_from(self, first: int) -> None:
+        """Stop every service started since the first `first`, the latest first."""
+        for service in reversed(self.started[first:]):
+            service.stop()
+        del self.started[first:]
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory) -> Iterator[Services]:
+    """spawn(name, *args, port=None, env=None): a started service; all stopped at the end."""
+    spawn = Services(tmp_path_factory.mktemp("service-logs"))
     yield spawn
-    for service in reversed(started):
-        service.stop()
+    spawn.stop_from(0)
+
+
+@pytest.fixture(autouse=True)
+def stop_the_services_a_test_started(services: Services) -> Iterator[None]:
+    """What a test or its function fixtures spawn stops when it ends: each service holds a model
+    or an index in memory, and `make test` runs two workers on one machine. Session and module
+    fixtures, set up before it, keep theirs."""
+    first = len(services.started)
+    yield
+    services.stop_from(first)
 
 
 @pytest.fixture(scope="session")
