@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import warnings
 from typing import cast, get_args
 
 import torch
@@ -97,12 +96,11 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """A zeroed tensor. On the CPU it lies on fresh anonymous pages, which the kernel zeroes as
     they are first written: the pool takes RAM as its blocks come into use (lowest ids first,
     engine/sched/blocks.py), where torch.zeros would write all of it at start."""
-    if device.type != "cpu" or not math.prod(shape):
+    numel = math.prod(shape)
+    if device.type != "cpu" or not numel:
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
-    with warnings.catch_warnings():  # frombuffer warns of non-writable buffers; this one is
-        warnings.simplefilter("ignore")
-        return torch.frombuffer(pages, dtype=dtype).view(shape)
+    pages = mmap.mmap(-1, numel * dtype.itemsize)  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
 
 
 class ModelRunner:
