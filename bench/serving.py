@@ -14,10 +14,10 @@ a request count and a time limit; then the point waits until every admitted requ
 at most a generous cap; those still unanswered are cancelled and count with the TTFT they had
 reached (a lower bound). Reports TTFT p50/p99, TPOT p50/p99, queue p50, tokens/s, completed,
 refused (QueueFullError, the service's 429), the sustained rate, and the overload target at 1.5x:
-every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before that point,
-tokens/s >= the peak of the lower rates up to the 1.2x point's (that point and the peak's rerun in
-turn, medians; the peak of every lower rate is shown beside it). The decode step alone (throughput
-against batch, step time against context): research/serving_decode.py.
+every admitted request completes, TPOT p99 <= 3x an unloaded TPOT measured just before and after
+that point, tokens/s >= the peak of the lower rates up to the 1.2x point's (that point and the
+peak's rerun in turn, medians; the peak of every lower rate is shown beside it). The decode step
+alone (throughput against batch, step time against context): research/serving_decode.py.
 
 CPU default: llama-124m shape in bfloat16; `--device cuda`: mistral-7b shape. Writes
 bench/results/serving-<device>[-summary|-timeline].csv,

@@ -70,12 +70,12 @@ def measure_unloaded(
     )
 
 
-def baseline_tpot(
+def alone_tpots(
     engine: Engine, workload: Workload, mode: Mode, args: argparse.Namespace
-) -> float:
-    """The median TPOT of `args.baseline_requests` requests alone on a warm engine, measured right
-    before a point: the machine's speed drifts over a run, and the point's figures are read
-    against it."""
+) -> list[float]:
+    """The TPOTs of `args.baseline_requests` requests alone on a warm engine. A point's baseline
+    is their median right before and right after it: the machine's speed drifts over a run,
+    and the point's figures are read against the speed around them."""
     tpots = []
     for _ in range(args.baseline_requests):
         outcome = Outcome(arrival_s=time.perf_counter())
@@ -83,7 +83,7 @@ def baseline_tpot(
         asyncio.run(one_request(engine, request, workload.unloaded[1], outcome))
         if (tpot := outcome.tpot_s()) is not None:
             tpots.append(tpot)
-    return statistics.median(tpots) if tpots else math.nan
+    return tpots
 
 
 def sustained_rate(points: list[Point], unloaded_s: float) -> tuple[float, str]:
@@ -112,7 +112,7 @@ def measure_point(
     factor: float = math.nan,
 ) -> Point:
     unloaded_ttft = config.unloaded.ttft_s
-    baseline = baseline_tpot(config.engine, workload, config.mode, args)
+    before = alone_tpots(config.engine, workload, config.mode, args)
     point = Point(
         config.mode.value,
         config.scheduler,
@@ -122,8 +122,9 @@ def measure_point(
         overload_factor=factor,
     )
     outcomes, elapsed, drain = asyncio.run(run_point(config, workload, args, rate))
+    around = before + alone_tpots(config.engine, workload, config.mode, args)
     summarise(point, outcomes, elapsed, unloaded_ttft)
-    point.drain_s, point.unloaded_tpot_s = drain, baseline
+    point.drain_s, point.unloaded_tpot_s = drain, statistics.median(around or [math.nan])
     if config.decode_batches:
         point.mean_decode_batch = statistics.mean(config.decode_batches)
     label = f"{factor:.2f}x sust" if not math.isnan(factor) else f"{point.rate_fraction:.2f}x 1/T"
@@ -132,8 +133,8 @@ def measure_point(
         f"done {point.completed:3d} refused {point.refused:2d} left {point.unfinished:2d}  "
         f"TTFT p50 {point.ttft_p50_s:7.3f} p99 {point.ttft_p99_s:7.3f}  "
         f"TPOT p50 {point.tpot_p50_s:6.3f} p99 {point.tpot_p99_s:6.3f}  "
-        f"{point.tokens_per_s:6.1f} tok/s (alone TPOT {baseline:.3f})  {elapsed:5.1f} s "
-        f"(drain {drain:4.1f})",
+        f"{point.tokens_per_s:6.1f} tok/s (alone TPOT {point.unloaded_tpot_s:.3f})  "
+        f"{elapsed:5.1f} s (drain {drain:4.1f})",
         flush=True,
     )
     return point
@@ -190,9 +191,10 @@ def serving(
                         f"pool {engine.runner.num_blocks} blocks x {engine.runner.block_size}, "
                         f"max_model_len {engine.max_model_len}",
                         f"max_num_batched_tokens: {budget}"
-                        + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else ""),
+                        + (" (--max-num-batched-tokens)" if args.max_num_batched_tokens else "")
+                        + f", a decode counting {engine.scheduler.decode_weight}",
                         f"overload baselines: the median TPOT of {args.baseline_requests} "
-                        "request(s) alone right before each point",
+                        "request(s) alone right before and right after each point",
                     ]
                 if mode not in unloaded:
                     unloaded[mode] = measure_unloaded(engine, workload, mode, args)

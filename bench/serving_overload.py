@@ -1,8 +1,8 @@
 """Overload points of bench/serving.py: rates at factors of a (mode, scheduler)'s sustained rate,
 and the overload target at 1.5x: every admitted request completes, TPOT p99 stays within 3x an
-unloaded TPOT measured just before the point (the median of requests alone), and throughput
-holds: its tokens/s is not below the peak of the lower-rate points, those at most at the 1.2x
-overload point's rate. The points compared are rerun in turn and compared by their medians (the
+unloaded TPOT measured just before and after the point (the median of requests alone), and
+throughput holds: its tokens/s is not below the peak of the lower-rate points, those at most at the
+1.2x overload point's rate. The points compared are rerun in turn and compared by their medians (the
 machine's speed drifts within a run; alternation cancels it). Beside it, the peak of every lower
 rate, sweep points between 1.2x and 1.5x included."""
 
@@ -165,12 +165,12 @@ def target_table(rows: list[dict]) -> list[str]:
     out += [
         "",
         "Admitted: sent less refused (the 429s). TPOT p99 against 3x the median TPOT of "
-        "requests alone measured just before the point. Throughput: the median tokens/s over "
-        "the point and its reruns (runs). The lower-rate points of the throughput criterion: "
-        f"this (mode, scheduler)'s points at most at the {CLEAR_FACTOR:g}x overload point's "
-        "rate (that point included); their peak is the highest median tokens/s. The target "
-        "point and the peak's point are rerun in turn after the sweep (--throughput-rounds), "
-        "so the machine's drift within the run weighs on both alike; an older run without "
+        "requests alone measured just before and after the point. Throughput: the median "
+        "tokens/s over the point and its reruns (runs). The lower-rate points of the throughput "
+        f"criterion: this (mode, scheduler)'s points at most at the {CLEAR_FACTOR:g}x overload "
+        "point's rate (that point included); their peak is the highest median tokens/s. The "
+        "target and the peak's point are rerun in turn after the sweep (--throughput-rounds), so "
+        "the machine's drift within the run weighs on both alike; an older run without "
         "reruns compares single runs. The last two columns compare with every lower rate, sweep "
         f"points between {CLEAR_FACTOR:g}x and {TARGET_FACTOR:g}x the sustained rate included "
         "(rerun too): such a point lies past capacity like the target, at nearly its rate, and "

@@ -69,8 +69,7 @@ class Point:
     tpot_p99_s: float = math.nan
     drain_s: float = math.nan  # from the last arrival until every admitted answer (or the cap)
     overload_factor: float = math.nan  # x the sustained rate; nan: a rate-fraction point
-    # The TPOT of one request alone measured just before the point (nan: an older CSV, or
-    # before every point had one: only the target point's).
+    # The median TPOT of requests alone just before and after the point (nan: an older CSV).
     unloaded_tpot_s: float = math.nan
     # The gaps between consecutive tokens of every request: slack trades single long gaps for
     # TTFT while each request's mean (TPOT) holds.

@@ -29,7 +29,7 @@ from engine.quality.shadow import Shadow
 from engine.runner.model_runner import ModelRunner
 from engine.sched.background import BackgroundQueue
 from engine.sched.blocks import BlockManager
-from engine.sched.calibrate import step_token_budget
+from engine.sched.calibrate import MeasuredBudget, measure_step_budget
 from engine.sched.estimate import QueueEstimate, lane_holders_remaining
 from engine.sched.executor import Executor
 from engine.sched.job import Event, Job, new_job
@@ -67,14 +67,19 @@ class Engine:
             self.runner.use_cuda_graphs(opts.cuda_graph_max_batch)
         self.max_model_len = self.runner.max_model_len
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        step_tokens = opts.max_num_batched_tokens or step_token_budget(self.ops, self.runner)
+        budget = (
+            MeasuredBudget(opts.max_num_batched_tokens)
+            if opts.max_num_batched_tokens
+            else measure_step_budget(self.ops, self.runner, opts.max_num_seqs)
+        )
         self.scheduler: Scheduler[Job] = Scheduler(
             blocks,
             opts.max_num_seqs,
             opts.max_waiting,
             opts.max_prefill_tokens,
-            step_tokens,
+            budget.tokens,
             shared_prefixes=opts.prefix_cache_entries,
+            decode_weight=budget.decode_weight,
         )
         self._lock = threading.Lock()  # guards the scheduler between callers and the worker
         self._step_listeners: list[Callable[[StepRecord], None]] = []

@@ -23,7 +23,8 @@ class EngineOptions:
     (precompute, write-back) wait; past that a precompute raises BackgroundQueueFullError and a
     write-back is dropped. A step feeds the model at most `max_num_batched_tokens`
     tokens, one per decoding sequence first; prefills fill the rest and pause where it ends
-    (default: measured at start, engine/sched/calibrate.py). `shadow` samples blended requests for
+    (default: measured at start with what a decoding sequence costs in prompt tokens,
+    engine/sched/calibrate.py). `shadow` samples blended requests for
     shadow checks (engine/quality/shadow.py).
     `selection` picks the tokens cacheblend recomputes (common.contract.Selection; `random` is a
     research baseline); the default, `query_hkvd` over the default check layers, is the best

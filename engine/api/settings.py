@@ -126,9 +126,10 @@ class EngineSettings(BaseSettings):
         None,
         ge=1,
         le=1_048_576,
-        description="tokens one engine step feeds the model, decodes first; prefills fill the "
-        "rest and go on in the next step; unset: measured at start, as many prompt tokens as "
-        "1.5 decode steps of one sequence take on this machine, 16 to 2048",
+        description="tokens one engine step feeds the model, decodes first (one each); "
+        "prefills fill the rest and go on in the next step; unset: measured at start, as many "
+        "prompt tokens as one decode step of one sequence takes on this machine (8 to 2048), "
+        "each decoding sequence counting the prompt tokens it costs",
     )
     prefill_batch_tokens: int | None = Field(
         None,

@@ -2,14 +2,14 @@
 block counts alone (the policy: docs/engine.md, "The step policy").
 
 A step has a budget of `max_num_batched_tokens` tokens. Every sequence whose prompt is cached
-decodes one token. The prefills in flight share what is left, in admission order, each at least
-MIN_PREFILL_TOKENS (none starves, however many decode), leaving the head of the queue its floor;
-one that needs more pauses and goes on in the next step. Waiting sequences are then admitted,
-first come first served, while the step has tokens left, the KV pool's free blocks hold their
-prompt plus max_tokens (less the blocks of a registered prompt prefix they share) and fewer
-than max_num_seqs run, and prefill in the same step. With nothing decoding a step's prefills run
-whole. Background work (chunk precompute, write-back) gets what the step leaves, at least
-MIN_PREFILL_TOKENS.
+decodes one token, which counts `decode_weight` tokens. The prefills in flight share what is
+left, in admission order, each at least MIN_PREFILL_TOKENS (none starves, however many decode),
+leaving the head of the queue its floor; one that needs more pauses and goes on in the next
+step. Waiting sequences are then admitted, first come first served, while the step has tokens
+left, the KV pool's free blocks hold their prompt plus max_tokens (less the blocks of a
+registered prompt prefix they share) and fewer than max_num_seqs run, and prefill in the same
+step. With nothing decoding a step's prefills run whole. Background work (chunk precompute,
+write-back) gets what the step leaves, at least MIN_PREFILL_TOKENS.
 Plain Python: tensors live in the runner.
 """
 
@@ -29,8 +29,10 @@ from engine.sched.shared_prefix import PrefixEntry, SharedPrefixes
 S = TypeVar("S", bound=Sequence)
 
 # The fewest tokens a step gives each prefill in flight, however many sequences decode or
-# prefill before it: every prefill progresses every step.
-MIN_PREFILL_TOKENS = 16
+# prefill before it: every prefill progresses every step. Small, because under load several
+# prefills are in flight and each floor comes on top of the budget (16 held a CPU's decodes
+# at 3.1 x their time alone where 8 held them at 2.8 x: docs/benchmarks/serving.md).
+MIN_PREFILL_TOKENS = 8
 
 
 def prefill_shares(needs: list[float], left: float) -> list[float]:
@@ -55,6 +57,7 @@ class Step(Generic[S]):
     prefills: list[S] = field(default_factory=list)
     prefill_tokens: list[float] = field(default_factory=list)
     max_num_batched_tokens: int | None = None
+    decode_weight: float = 1.0  # the tokens of the budget one decoding sequence counts for
     num_waiting: int = 0  # requests still queued, not admitted, as the step was scheduled
     # What the step leaves background work: the budget less its decodes and prefill tokens (a
     # prefill run whole counts what it needs), at least MIN_PREFILL_TOKENS; math.inf: no budget.
@@ -66,17 +69,19 @@ class Step(Generic[S]):
 
     def budget(self, num_decoding: int) -> float:
         """What the step leaves its prefills when `num_decoding` sequences wait for a token:
-        max_num_batched_tokens less one token each; math.inf when none waits (a lone prefill
-        runs whole) or without a budget."""
-        return prefill_budget(self.max_num_batched_tokens, num_decoding)
+        max_num_batched_tokens less decode_weight each; math.inf when none waits (a lone
+        prefill runs whole) or without a budget."""
+        return prefill_budget(self.max_num_batched_tokens, num_decoding, self.decode_weight)
 
 
-def prefill_budget(max_num_batched_tokens: int | None, num_decoding: int) -> float:
-    """The tokens a step leaves its prefills beside `num_decoding` decodes (math.inf: no bound,
-    nothing decodes or no budget)."""
+def prefill_budget(
+    max_num_batched_tokens: int | None, num_decoding: int, decode_weight: float = 1.0
+) -> float:
+    """The tokens a step leaves its prefills beside `num_decoding` decodes, each counting
+    `decode_weight` (math.inf: no bound, nothing decodes or no budget)."""
     if not num_decoding or max_num_batched_tokens is None:
         return math.inf
-    return max_num_batched_tokens - num_decoding
+    return max_num_batched_tokens - num_decoding * decode_weight
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,9 @@ class PoolUse:
 
 
 class Scheduler(Generic[S]):
-    """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first (None: no
-    bound; a step with decodes then runs its prefills whole). `max_prefill_tokens` bounds the
+    """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first, each
+    counting `decode_weight` prompt tokens (None: no bound; a step with decodes then runs its
+    prefills whole). `max_prefill_tokens` bounds the
     prompt tokens admitted in one step (one sequence is always admitted). A sequence is admitted
     with the blocks of its prompt plus max_tokens, all reserved at once, so a running sequence
     never runs out of blocks and nothing is ever preempted; at most `max_num_seqs` run, each
@@ -107,6 +113,7 @@ class Scheduler(Generic[S]):
         max_prefill_tokens: int,
         max_num_batched_tokens: int | None = None,
         shared_prefixes: int = 0,
+        decode_weight: float = 1.0,
     ):
         if max_num_seqs < 1 or max_waiting < 0 or max_prefill_tokens < 1:
             raise ValueError(
@@ -115,6 +122,8 @@ class Scheduler(Generic[S]):
             )
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"need max_num_batched_tokens >= 1, got {max_num_batched_tokens}")
+        if decode_weight <= 0:
+            raise ValueError(f"need decode_weight > 0, got {decode_weight}")
         self.blocks = blocks
         self.prefixes = SharedPrefixes(blocks, shared_prefixes)
         self.max_num_seqs = max_num_seqs
@@ -122,6 +131,7 @@ class Scheduler(Generic[S]):
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_weight = decode_weight
         self.waiting: deque[S] = deque()
         self.prefilling: list[S] = []  # admitted, prompt not yet cached, in admission order
         self.decoding: list[S] = []
@@ -200,7 +210,7 @@ class Scheduler(Generic[S]):
         """The next step: every sequence whose prompt is cached decodes; the prefills in flight,
         then those admitted now, share the tokens the decodes leave (`prefill_shares`)."""
         self._promote_prefilled()
-        left = prefill_budget(self.max_num_batched_tokens, len(self.decoding))
+        left = prefill_budget(self.max_num_batched_tokens, len(self.decoding), self.decode_weight)
         # The prefills in flight leave the head of the queue its floor, when the pool admits it.
         head = MIN_PREFILL_TOKENS if self.waiting and self.num_admissible() else 0
         shares = prefill_shares([_prefill_need(seq) for seq in self.prefilling], left - head)
@@ -214,6 +224,7 @@ class Scheduler(Generic[S]):
             list(self.prefilling),
             shares,
             self.max_num_batched_tokens,
+            self.decode_weight,
             len(self.waiting),
             self._background_tokens(shares),
         )
@@ -222,7 +233,7 @@ class Scheduler(Generic[S]):
         if self.max_num_batched_tokens is None:
             return math.inf
         needs = [_prefill_need(seq) for seq in self.prefilling]
-        spent = len(self.decoding) + sum(map(min, shares, needs))
+        spent = len(self.decoding) * self.decode_weight + sum(map(min, shares, needs))
         return max(MIN_PREFILL_TOKENS, self.max_num_batched_tokens - spent)
 
     def _promote_prefilled(self) -> None:

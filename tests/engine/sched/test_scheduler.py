@@ -143,8 +143,8 @@ def test_a_short_request_arriving_during_a_long_prefill_starts_at_the_next_step(
     s.add(short)  # arrives while the long prompt prefills
     step = s.schedule()
     assert step.prefills == [long, short] and short.lane is not None
-    # The long prompt leaves the arrival its floor: each gets one (a token past the budget).
-    assert step.prefill_tokens == [MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS]
+    # The long prompt leaves the arrival its floor.
+    assert step.prefill_tokens == [31 - MIN_PREFILL_TOKENS, MIN_PREFILL_TOKENS]
     assert step.num_waiting == 0
 
 
@@ -169,6 +169,29 @@ def test_under_decodes_that_fill_the_budget_the_prefill_in_flight_gets_its_floor
         if x.num_prefilled >= x.num_prompt_tokens:
             prefilled(x)
             s.finish(x)
+
+
+@pytest.mark.parametrize(
+    ("decode_weight", "prefill_tokens"),
+    [(1.0, 36), (2.5, 30), (10.0, MIN_PREFILL_TOKENS)],  # 40 less 4 decodes, at least the floor
+)
+def test_each_decoding_sequence_takes_its_weight_of_the_step_budget(decode_weight, prefill_tokens):
+    pool = BlockManager(64, BLOCK)
+    s = Scheduler(pool, 8, 8, 1000, max_num_batched_tokens=40, decode_weight=decode_weight)
+    decoding = [seq(10) for _ in range(4)]
+    for x in decoding:
+        s.add(x)
+    s.schedule()
+    prefilled(*decoding)
+    s.add(seq(200))
+    step = s.schedule()
+    assert len(step.decodes) == 4 and step.prefill_tokens == [prefill_tokens]
+    assert step.budget(4) == 40 - 4 * decode_weight
+
+
+def test_a_decode_weight_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="decode_weight"):
+        Scheduler(BlockManager(8, BLOCK), 2, 2, 100, max_num_batched_tokens=40, decode_weight=0)
 
 
 def test_background_work_gets_what_the_step_leaves_and_at_least_the_floor():
