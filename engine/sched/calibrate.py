@@ -35,7 +35,7 @@ MAX_STEP_TOKENS = 2048
 SHORT_PROMPT, LONG_PROMPT = 64, 256
 # The decode batch timed against one sequence: the difference is what one more decoding
 # sequence costs (on a CPU a decode row reads every weight for little more work, so one
-# sequence's step costs ~17 prompt tokens and each further one 1.5 to 3).
+# sequence's step costs ~20 prompt tokens and each further one ~2).
 DECODE_BATCH = 8
 REPEATS = 3
 

@@ -29,9 +29,9 @@ from engine.sched.shared_prefix import PrefixEntry, SharedPrefixes
 S = TypeVar("S", bound=Sequence)
 
 # The fewest tokens a step gives each prefill in flight, however many sequences decode or
-# prefill before it: every prefill progresses every step. Small, because under load several
-# prefills are in flight and each floor comes on top of the budget (16 held a CPU's decodes
-# at 3.1 x their time alone where 8 held them at 2.8 x: docs/benchmarks/serving.md).
+# prefill before it: every prefill progresses every step. Small, because under load two or three
+# prefills may be in flight and each floor comes on top of the budget (docs/benchmarks/serving.md,
+# "A decoding sequence's weight").
 MIN_PREFILL_TOKENS = 8
 
 
@@ -94,16 +94,16 @@ class PoolUse:
 
 
 class Scheduler(Generic[S]):
-    """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first, each
-    counting `decode_weight` prompt tokens (None: no bound; a step with decodes then runs its
-    prefills whole). `max_prefill_tokens` bounds the
-    prompt tokens admitted in one step (one sequence is always admitted). A sequence is admitted
-    with the blocks of its prompt plus max_tokens, all reserved at once, so a running sequence
-    never runs out of blocks and nothing is ever preempted; at most `max_num_seqs` run, each
-    holding a lane (0..max_num_seqs-1) that indexes per-sequence rows such as penalties.
-    Up to `shared_prefixes` exact prompt prefixes stay in the pool once cached, shared by every
-    sequence admitted with one (engine/shared_prefix.py); those no sequence shares are given
-    back, least recently used first, when the free blocks do not admit the next sequence."""
+    """`max_num_batched_tokens`: the tokens one step feeds the model, decodes first, each counting
+    `decode_weight` prompt tokens (None: no bound; a step with decodes then runs its prefills
+    whole). `max_prefill_tokens` bounds the prompt tokens admitted in one step (one sequence is
+    always admitted). A sequence is admitted with the blocks of its prompt plus max_tokens, all
+    reserved at once, so a running sequence never runs out of blocks and nothing is ever preempted;
+    at most `max_num_seqs` run, each holding a lane (0..max_num_seqs-1) that indexes per-sequence
+    rows such as penalties. Up to `shared_prefixes` exact prompt prefixes stay in the pool once
+    cached, shared by every sequence admitted with one (engine/shared_prefix.py); those no sequence
+    shares are given back, least recently used first, when the free blocks do not admit the next
+    sequence."""
 
     def __init__(
         self,

@@ -27,16 +27,27 @@ def scheduler(
     budget: int = 100,
     step_tokens: int | None = 32,
     blocks: int | None = None,
+    decode_weight: float = 1.0,
 ) -> Scheduler:
     """`slots` lanes (max_num_seqs) over a pool of `blocks` (default: 64 positions per lane)."""
     pool = BlockManager(blocks if blocks is not None else 4 * slots, BLOCK)
-    return Scheduler(pool, slots, max_waiting, budget, step_tokens)
+    return Scheduler(pool, slots, max_waiting, budget, step_tokens, decode_weight=decode_weight)
 
 
 def prefilled(*seqs: Sequence) -> None:
     """What the executor does when a prefill completes: the prompt is cached."""
     for x in seqs:
         x.num_cached = x.num_prompt_tokens
+
+
+def start_decoding(s: Scheduler, count: int) -> list[Sequence]:
+    """`count` short sequences admitted and prefilled: they decode from the next step on."""
+    decoding = [seq(10) for _ in range(count)]
+    for x in decoding:
+        s.add(x)
+    s.schedule()
+    prefilled(*decoding)
+    return decoding
 
 
 def test_the_lowest_free_lane_is_handed_out_first():
@@ -176,13 +187,8 @@ def test_under_decodes_that_fill_the_budget_the_prefill_in_flight_gets_its_floor
     [(1.0, 36), (2.5, 30), (10.0, MIN_PREFILL_TOKENS)],  # 40 less 4 decodes, at least the floor
 )
 def test_each_decoding_sequence_takes_its_weight_of_the_step_budget(decode_weight, prefill_tokens):
-    pool = BlockManager(64, BLOCK)
-    s = Scheduler(pool, 8, 8, 1000, max_num_batched_tokens=40, decode_weight=decode_weight)
-    decoding = [seq(10) for _ in range(4)]
-    for x in decoding:
-        s.add(x)
-    s.schedule()
-    prefilled(*decoding)
+    s = scheduler(slots=8, max_waiting=8, step_tokens=40, blocks=64, decode_weight=decode_weight)
+    start_decoding(s, 4)
     s.add(seq(200))
     step = s.schedule()
     assert len(step.decodes) == 4 and step.prefill_tokens == [prefill_tokens]
@@ -191,16 +197,12 @@ def test_each_decoding_sequence_takes_its_weight_of_the_step_budget(decode_weigh
 
 def test_a_decode_weight_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="decode_weight"):
-        Scheduler(BlockManager(8, BLOCK), 2, 2, 100, max_num_batched_tokens=40, decode_weight=0)
+        scheduler(decode_weight=0)
 
 
 def test_background_work_gets_what_the_step_leaves_and_at_least_the_floor():
     s = scheduler(slots=4, max_waiting=4, step_tokens=64, blocks=64)
-    decoding = [seq(10) for _ in range(3)]
-    for x in decoding:
-        s.add(x)
-    s.schedule()
-    prefilled(*decoding)
+    start_decoding(s, 3)
     s.add(seq(20))
     step = s.schedule()
     # 3 decodes and the 20 prompt tokens the new prefill needs leave 41 of the 64.
