@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
 
+from engine.sched.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from engine.types import StepRecord
-
-if TYPE_CHECKING:
-    from engine.sched.scheduler import Scheduler
 
 # Weight of the newest step in the running averages: recent load counts, one outlier fades.
 SMOOTHING = 0.2
@@ -39,16 +36,22 @@ class QueueEstimate:
         self.decodes_fused = False  # decodes run in the prefills' forward (StepRecord.decode_fused)
 
     def wait_for(self, scheduler: Scheduler) -> float:
-        """`wait_s` for what `scheduler` holds now (call it under the lock that guards it)."""
+        """`wait_s` for what `scheduler` holds now (call it under the lock that guards it): a
+        step gives the prompts ahead what its budget leaves beside the sequences decoding now,
+        each counting its decode weight, at least a prefill's floor."""
         ahead = [*scheduler.prefilling, *scheduler.waiting]
         budget = scheduler.max_num_batched_tokens
+        step_tokens = math.inf
+        if budget is not None:
+            decodes = len(scheduler.decoding) * scheduler.decode_weight
+            step_tokens = max(MIN_PREFILL_TOKENS, budget - decodes)
         return self.wait_s(
             waiting_tokens=sum(seq.num_prompt_tokens for seq in ahead),
             waiting_max_tokens=[seq.max_tokens for seq in scheduler.waiting],
             in_flight=len(scheduler.prefilling),
             running_remaining=lane_holders_remaining(scheduler),
             startable=scheduler.startable_now(),
-            step_tokens=math.inf if budget is None else budget,
+            step_tokens=step_tokens,
         )
 
     def room_after_s(self, running_remaining: list[int]) -> float:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from engine.sched.blocks import BlockManager
 from engine.sched.estimate import QueueEstimate
+from engine.sched.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from engine.sched.sequence import Sequence
 from engine.types import StepRecord
 
 
@@ -51,6 +56,29 @@ def test_under_a_step_token_budget_the_prompts_ahead_share_one_step_per_piece_wi
     )
     # 2 s of prefill in 4 pieces of 500 tokens, each step with a decode, and one after them.
     assert wait == pytest.approx(2.0 + 5 * 0.01)
+
+
+@pytest.mark.parametrize(
+    ("decode_weight", "step_tokens"),
+    [(1.0, 400 - 4), (25.0, 400 - 100), (200.0, MIN_PREFILL_TOKENS)],
+)
+def test_the_sequences_decoding_now_take_their_weight_of_each_steps_budget(
+    decode_weight: float, step_tokens: float
+):
+    scheduler = Scheduler(BlockManager(256, 16), 8, 4, 4096, 400, decode_weight=decode_weight)
+    decoding = [Sequence(num_prompt_tokens=10, max_tokens=50) for _ in range(4)]
+    for x in decoding:
+        scheduler.add(x)
+    scheduler.schedule()
+    for x in decoding:
+        x.num_cached = x.num_prompt_tokens  # prefilled: they decode from the next step
+    scheduler.add(Sequence(num_prompt_tokens=2000, max_tokens=64))
+    scheduler.schedule()
+    assert len(scheduler.decoding) == 4 and len(scheduler.prefilling) == 1
+    estimate = measured()
+    wait = estimate.wait_for(scheduler)
+    # 2 s of prefill, then a decode step with each piece of what the decodes leave, and one after.
+    assert wait == pytest.approx(2.0 + (math.ceil(2000 / step_tokens) + 1) * 0.01)
 
 
 def test_a_prefill_in_pieces_counts_towards_throughput_once_it_completes():
