@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from engine.sched.scheduler import MIN_PREFILL_TOKENS, Scheduler
+from engine.sched.scheduler import MIN_PREFILL_TOKENS, Scheduler, prefill_budget
 from engine.types import StepRecord
 
 # Weight of the newest step in the running averages: recent load counts, one outlier fades.
@@ -42,9 +42,9 @@ class QueueEstimate:
         ahead = [*scheduler.prefilling, *scheduler.waiting]
         budget = scheduler.max_num_batched_tokens
         step_tokens = math.inf
-        if budget is not None:
-            decodes = len(scheduler.decoding) * scheduler.decode_weight
-            step_tokens = max(MIN_PREFILL_TOKENS, budget - decodes)
+        if budget is not None:  # with nothing decoding now, prefill_budget's inf: the budget
+            left = prefill_budget(budget, len(scheduler.decoding), scheduler.decode_weight)
+            step_tokens = max(MIN_PREFILL_TOKENS, min(budget, left))
         return self.wait_s(
             waiting_tokens=sum(seq.num_prompt_tokens for seq in ahead),
             waiting_max_tokens=[seq.max_tokens for seq in scheduler.waiting],
